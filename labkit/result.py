@@ -1,0 +1,136 @@
+"""What a job hands back: one :class:`RankResult` per rank, gathered in a :class:`JobResult`.
+
+Everything here was produced by real processes: return values, captured
+stdout/stderr (Python and C++ alike, captured at the file-descriptor level),
+wall time of the function on each rank, and for failed ranks the exception,
+exit code, signal or stack.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RankResult", "JobResult", "STATUSES"]
+
+STATUSES = {
+    "ok": "returned a value",
+    "raised": "raised an exception",
+    "unpicklable": "returned a value that cannot be pickled",
+    "exited": "exited before returning",
+    "signaled": "was killed by a signal",
+    "hung": "was still running when the job was stopped",
+}
+
+
+@dataclass
+class RankResult:
+    """The outcome of one rank. ``status`` is one of :data:`STATUSES`."""
+
+    rank: int
+    status: str = "hung"
+    value: Any = None
+    stdout: str = ""
+    stderr: str = ""
+    wall_s: float | None = None
+    error: str | None = None       # one line, e.g. "ValueError: boom"
+    traceback: str | None = None   # the remote traceback of a raising rank
+    exitcode: int | None = None    # for "exited"
+    signal: str | None = None      # for "signaled", e.g. "SIGKILL"
+    stack: str | None = None       # for "hung": the Python stack dump
+    where: str | None = None       # for "hung": one line, where it was stuck
+    pid: int | None = None
+    t_fail: float | None = None    # time.time() of the failure, to find the first one
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def describe(self) -> str:
+        """One line for error messages: what happened to this rank."""
+        if self.status in ("raised", "unpicklable"):
+            return f"rank {self.rank} {self.error}" if self.status == "unpicklable" \
+                else f"rank {self.rank} raised {self.error}"
+        if self.status == "exited":
+            return f"rank {self.rank} exited with code {self.exitcode} before returning"
+        if self.status == "signaled":
+            tail = _last_line(self.stderr)
+            return f"rank {self.rank} was killed by {self.signal}" + (f" ({tail})" if tail else "")
+        if self.status == "hung":
+            return f"rank {self.rank} was stuck in {self.where}"
+        return f"rank {self.rank} returned {type(self.value).__name__}"
+
+
+def _last_line(text: str) -> str:
+    """The most telling line of a crashed rank's stderr (gloo puts its reason there)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if "what():" in ln or "Error" in ln or "error" in ln:
+            return ln[:300]
+    return lines[-1][:300] if lines else ""
+
+
+@dataclass
+class JobResult:
+    """Per-rank outcomes of one job, in rank order.
+
+    >>> res = lk.run(step, world_size=4)
+    >>> res.values          # what each rank returned
+    >>> res.wall_s          # seconds each rank spent in the function
+    >>> res[2].stdout       # what rank 2 printed
+    """
+
+    world_size: int
+    backend: str
+    ranks: list[RankResult]
+    elapsed_s: float = 0.0   # in the notebook, from the call to the last result
+    cold: bool = False       # True when fresh rank processes had to be started
+    env: dict = field(default_factory=dict)
+
+    def __getitem__(self, rank: int) -> RankResult:
+        return self.ranks[rank]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def values(self) -> list:
+        return [r.value for r in self.ranks]
+
+    @property
+    def stdout(self) -> list[str]:
+        return [r.stdout for r in self.ranks]
+
+    @property
+    def stderr(self) -> list[str]:
+        return [r.stderr for r in self.ranks]
+
+    @property
+    def wall_s(self) -> list[float | None]:
+        return [r.wall_s for r in self.ranks]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks)
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [r.rank for r in self.ranks if not r.ok]
+
+    def first_failure(self) -> RankResult | None:
+        """The rank that failed first: usually the cause, the others its echo."""
+        failed = [r for r in self.ranks if not r.ok]
+        if not failed:
+            return None
+        timed = [r for r in failed if r.t_fail is not None]
+        return min(timed, key=lambda r: r.t_fail) if timed else failed[0]
+
+    def summary(self) -> str:
+        head = (f"{self.world_size} ranks, backend={self.backend}, "
+                f"{'ok' if self.ok else 'FAILED'} in {self.elapsed_s:.3f} s"
+                f"{' (cold start)' if self.cold else ''}")
+        return "\n".join([head] + ["  " + r.describe() for r in self.ranks])
+
+    def __repr__(self) -> str:
+        status = "ok" if self.ok else f"failed ranks {self.failed_ranks}"
+        return (f"JobResult(world_size={self.world_size}, backend={self.backend!r}, "
+                f"{status}, values={self.values!r:.200})")
