@@ -27,6 +27,20 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+# Lesson modules load on first use (``lk.collectives``, ``lk.quiz`` ...): one concept each.
+_SUBMODULES = ("quiz", "exercise", "grade", "notebooks", "collectives", "ringviz", "bandwidth",
+               "ddp", "plots", "parallelism", "pitfalls", "diagnosis", "train", "torchrun",
+               "stacks", "bench")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+
+
 if ("ipykernel" in _sys.modules and _os.environ.get("LABKIT_PRESTART", "1") != "0"
         and "LABKIT_RANK_PROCESS" not in _os.environ):
     warmup()

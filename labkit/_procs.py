@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections import ChainMap
@@ -103,6 +104,8 @@ class Zygote:
                 pass_fds=[theirs.fileno()], env={**os.environ, **env}, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=log, start_new_session=True)  # kernel interrupts miss ranks
         theirs.close()
+        # Reap it the moment it exits (idle, or killed), so no zombie waits for the next job.
+        threading.Thread(target=self.proc.wait, daemon=True, name="labkit-reaper").start()
         self.gpus: int | None = None             # known once the zygote says hello
 
     def alive(self) -> bool:
@@ -110,6 +113,8 @@ class Zygote:
 
     def _recv(self, timeout: float):
         """One message (and any file descriptors) or None on timeout; EOF raises."""
+        if self.sock.fileno() < 0:
+            raise errors.LabkitError("the rank launcher (zygote) was closed")
         if not wait([self.sock], timeout):
             return None
         data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 64)
@@ -209,7 +214,10 @@ class Pool:
             f"({self.spec['backend']}): {self.zygote.log_tail()}")
 
     def reusable(self, zygote: Zygote, spec: dict) -> bool:
-        self.zygote.drain()
+        try:
+            self.zygote.drain()
+        except errors.LabkitError:  # the launcher went away (idle timeout): so did the ranks
+            return False
         fresh_enough = time.monotonic() - self.last_used < spec["idle_timeout"] - 5
         return (zygote is self.zygote and spec == self.spec and self.healthy and fresh_enough
                 and not any(p in self.zygote.exits for p in self.pids))

@@ -80,9 +80,9 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
     t0 = time.perf_counter()
     if backend == "nccl":  # refuse before anything starts
         _resolve_backend(backend, world_size, None)
+    payload = _procs.pickle_job(fn, args, kwargs)
     with _lock:
         zygote = _zygote_for(env)               # starts importing torch in the background
-        payload = _procs.pickle_job(fn, args, kwargs)
         backend = _resolve_backend(backend, world_size, zygote)
         spec = dict(world_size=world_size, backend=backend, timeout=float(timeout),
                     threads=threads, idle_timeout=_IDLE_S)
@@ -201,6 +201,8 @@ def _zygote_for(env: dict) -> _procs.Zygote:
     z = _zygotes.pop(key, None)
     if z is None or not z.alive():
         if z is not None:
+            if _pool is not None and _pool.zygote is z:
+                _drop_pool()
             z.close()
         z = _procs.Zygote(env, _tmpdir())
     _zygotes[key] = z

@@ -60,6 +60,18 @@ class RankResult:
         return f"rank {self.rank} returned {type(self.value).__name__}"
 
 
+_ECHOES = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe",
+           "Timed out waiting", "timed out", "Socket Timeout")
+
+
+def _cause_order(r: RankResult) -> int:
+    if r.status in ("exited", "signaled"):
+        return 0
+    if r.status in ("raised", "unpicklable"):
+        return 2 if any(e in (r.error or "") for e in _ECHOES) else 1
+    return 3
+
+
 def _last_line(text: str) -> str:
     """The most telling line of a crashed rank's stderr (gloo puts its reason there)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -117,12 +129,16 @@ class JobResult:
         return [r.rank for r in self.ranks if not r.ok]
 
     def first_failure(self) -> RankResult | None:
-        """The rank that failed first: usually the cause, the others its echo."""
+        """The failure most likely to be the cause; the others are usually its echo.
+
+        A crashed rank comes first (its peers then see the connection drop), then a
+        rank whose own code raised, then ranks that only saw a peer vanish or a
+        collective time out, then hung ranks; ties go to the earliest.
+        """
         failed = [r for r in self.ranks if not r.ok]
         if not failed:
             return None
-        timed = [r for r in failed if r.t_fail is not None]
-        return min(timed, key=lambda r: r.t_fail) if timed else failed[0]
+        return min(failed, key=lambda r: (_cause_order(r), r.t_fail or float("inf"), r.rank))
 
     def summary(self) -> str:
         head = (f"{self.world_size} ranks, backend={self.backend}, "
