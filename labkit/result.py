@@ -57,7 +57,7 @@ class RankResult:
             return f"rank {self.rank} was killed by {self.signal}" + (f" ({tail})" if tail else "")
         if self.status == "hung":
             return f"rank {self.rank} was stuck in {self.where}"
-        return f"rank {self.rank} returned {type(self.value).__name__}"
+        return f"rank {self.rank} returned {self.value!r:.60}"
 
 
 _ECHOES = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe",

@@ -31,7 +31,8 @@ class Frame:
     @property
     def source(self) -> str:
         """The source line, when the parent can see it (notebook cells included)."""
-        return linecache.getline(self.file, self.line).strip()
+        line = linecache.getline(self.file, self.line).strip()
+        return line.split("  #")[0].rstrip()  # the code, not its comment
 
 
 def parse_stack(dump: str) -> list[Frame]:
