@@ -222,8 +222,12 @@ def _pool_for(zygote, spec: dict, fresh: bool):
         return _pool, False
     try:
         _pool = _procs.Pool(zygote, spec, _tmpdir())
-    except BaseException:
-        _pool = None
+    except BaseException:  # e.g. interrupted mid-fork: the launcher's channel may hold half
+        _pool = None       # a conversation, so it goes too (with any rank it forked)
+        for key, z in list(_zygotes.items()):
+            if z is zygote:
+                del _zygotes[key]
+        zygote.close()
         raise
     return _pool, True
 

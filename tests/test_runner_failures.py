@@ -163,3 +163,18 @@ def test_failed_job_output_is_still_printed(capsys):
 def test_check_false_returns_the_failed_result():
     res = lk.run(raises, world_size=2, check=False, echo=False)
     assert not res.ok and res.failed_ranks and res.first_failure().rank == 1
+
+
+def test_interrupt_while_ranks_start_discards_the_launcher(monkeypatch):
+    from labkit import _procs
+
+    lk.shutdown()
+    def interrupted(self, limit):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_procs.Pool, "_rendezvous", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lk.run(lambda r, w: r, world_size=2, echo=False)
+    monkeypatch.undo()
+    assert_no_ranks_left()
+    assert lk.run(lambda r, w: r, world_size=2, echo=False).values == [0, 1]
