@@ -13,6 +13,7 @@ import linecache
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -259,12 +260,15 @@ class Pool:
         for r in pending:  # still running: find out where before they go
             ranks[r].stack = self._dump_stack(r)
             ranks[r].where = where_stuck(parse_stack(ranks[r].stack))
-        if pending or died or first_fail is not None:
-            self.kill()
+        failed = bool(pending or died or first_fail is not None)
+        if failed:
+            self.kill(keep_files=True)
         for r in died:
             _fill_exit(ranks[r], self.zygote.exits.get(self.pids[r]))
         for r, (out, err) in enumerate(files):
             ranks[r].stdout, ranks[r].stderr = _read(out), _read(err)
+        if failed:
+            shutil.rmtree(self.dir, ignore_errors=True)
         self.last_used = time.monotonic()
         return JobResult(world_size=n, backend=self.spec["backend"], ranks=ranks)
 
@@ -284,7 +288,7 @@ class Pool:
             last = size
         return _read(path)
 
-    def kill(self) -> None:
+    def kill(self, keep_files: bool = False) -> None:
         """SIGKILL every rank and wait until the zygote has reaped them all."""
         self.healthy = False
         for pid in self.pids:
@@ -295,6 +299,8 @@ class Pool:
         for conn in self.conns:
             conn.close()
         self.zygote.wait_exits(self.pids)
+        if not keep_files:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _read(path: str) -> str:
