@@ -21,7 +21,7 @@ from .launch import MAX_WORLD_SIZE, run, shutdown, warmup
 from .result import JobResult, RankResult
 
 __all__ = [
-    "run", "warmup", "shutdown", "JobResult", "RankResult", "MAX_WORLD_SIZE",
+    "run", "warmup", "shutdown", "diagnose", "JobResult", "RankResult", "MAX_WORLD_SIZE",
     "LabkitError", "InvalidJob", "BackendUnavailable", "JobFailed", "RankError",
     "ResultNotPicklable", "RankCrashed", "JobTimeout", "RemoteTraceback",
 ]
@@ -29,15 +29,17 @@ __version__ = "0.1.0"
 
 # Lesson modules load on first use (``lk.collectives``, ``lk.quiz`` ...): one concept each.
 _SUBMODULES = ("quiz", "exercise", "grade", "notebooks", "collectives", "ringviz", "bandwidth",
-               "ddp", "plots", "parallelism", "pitfalls", "diagnosis", "train", "torchrun",
-               "stacks", "bench")
+               "ddp", "ddp_check", "overlap", "timeline", "pipeline_check", "plots", "parallelism",
+               "pitfalls", "diagnosis", "train", "torchrun", "stacks", "bench")
 
 
 def __getattr__(name: str):
-    if name in _SUBMODULES:
-        import importlib
+    import importlib
 
+    if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "diagnose":  # lk.diagnose(result): a verdict for a failed job (notebook 04)
+        return importlib.import_module(f"{__name__}.diagnosis").diagnose
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 

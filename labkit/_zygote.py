@@ -59,8 +59,16 @@ def zygote_main(fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set[int] = set()
     _send(ctrl, ("hello", os.getpid(), _probe_gpus()))
+    preloaded = False
     while True:
-        ready, _, _ = select.select([ctrl, wake_r], [], [], idle_s)
+        ready, _, _ = select.select([ctrl, wake_r], [], [], idle_s if preloaded else 0.25)
+        if not ready and not preloaded:
+            # First idle moment: preload torch._dynamo, which DistributedDataParallel and the
+            # first torch.optim step import (~1 s of CPU in every fresh rank otherwise). Not
+            # before "hello": a job asked for at once should not wait for it.
+            import torch._dynamo  # noqa: F401
+            preloaded = True
+            continue
         if not ready and not children:
             break  # idle: the kernel starts a new zygote when it needs one
         if wake_r in ready:
