@@ -154,11 +154,24 @@ def ratios(rows: list[dict], impl: str = "ring", world_size: int = 2,
             and r["world_size"] == world_size and r["bytes"] >= min_bytes and r["bytes"] in ref]
 
 
+def _figure(**kw):
+    """A Figure that shows as a picture when a cell returns it.
+
+    Made through pyplot, which switches on the kernel's inline backend (a bare
+    ``matplotlib.figure.Figure`` shows as ``<Figure size ...>`` text in JupyterLab),
+    then closed so pyplot does not show it a second time at the end of the cell.
+    """
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(**kw)
+    plt.close(fig)
+    return fig
+
+
 def plot(rows: list[dict], models: list[dict] | None = None):
     """busbw against message size, one panel per world size (a matplotlib Figure)."""
-    from matplotlib.figure import Figure
     sizes_by_n = sorted({r["world_size"] for r in rows})
-    fig = Figure(figsize=(5.2 * len(sizes_by_n), 3.8), dpi=80)
+    fig = _figure(figsize=(5.2 * len(sizes_by_n), 3.8), dpi=80)
     for i, n in enumerate(sizes_by_n):
         ax = fig.add_subplot(1, len(sizes_by_n), i + 1)
         for impl in IMPLS:
@@ -257,8 +270,7 @@ def scale_table(rows: list[dict]) -> str:
 
 def plot_scale(rows: list[dict]):
     """Ring vs tree time against GPU count, one line per message size (MODEL PREDICTION)."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(6.4, 3.8), dpi=80)
+    fig = _figure(figsize=(6.4, 3.8), dpi=80)
     ax = fig.add_subplot()
     for s in sorted({r["bytes"] for r in rows}):
         pts = sorted((r["gpus"], r["ring_s"], r["tree_s"]) for r in rows if r["bytes"] == s)
