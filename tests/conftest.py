@@ -54,16 +54,6 @@ def assert_no_ranks_left(within: float = 3.0) -> None:
     assert zombies() == [], f"zombie processes: {zombies()}"
 
 
-@pytest.fixture
-def fresh_lab():
-    """Start and end with no lab processes at all."""
-    lk.shutdown()
-    yield
-    lk.shutdown()
-    assert psutil.Process().children(recursive=True) == [] or all(
-        p.status() == psutil.STATUS_ZOMBIE for p in []), "lab processes left after shutdown"
-
-
 def has_gpus(n: int) -> bool:
     try:
         import torch
