@@ -38,11 +38,11 @@ class QuizForm:
         prompt = W.HTMLMath(f"<b>{html.escape(q.id)}</b> ({_pts(q.points)})&nbsp; {_md(q.prompt)}")
         self.boxes: list[W.Checkbox] = []
         if q.kind == "single":
-            self.input = W.RadioButtons(options=[(f"{l}) {c}", l) for l, c in
+            self.input = W.RadioButtons(options=[(f"{l}) {_plain(c)}", l) for l, c in
                                                  zip(q.letters, q.choices)], value=None,
                                         layout=W.Layout(width="auto"))
         elif q.kind == "multi":
-            self.boxes = [W.Checkbox(False, description=f"{l}) {c}", indent=False,
+            self.boxes = [W.Checkbox(False, description=f"{l}) {_plain(c)}", indent=False,
                                      layout=W.Layout(width="auto"))
                           for l, c in zip(q.letters, q.choices)]
             self.input = W.VBox(self.boxes)
@@ -120,3 +120,8 @@ def _md(text: str) -> str:
 
 def _pts(x: float) -> str:
     return f"{x:g} point{'s' * (x != 1)}" if x else "0"
+
+
+def _plain(text: str) -> str:
+    """Choice labels are plain text in widgets: drop Markdown's code backticks."""
+    return text.replace("`", "")
