@@ -117,7 +117,33 @@ def assign_buckets(sizes_bytes: list[int], bucket_cap_mb: float,
     return buckets
 
 
-class NaiveDDP(nn.Module):
+class _Replicas(nn.Module):
+    """What both hand-written DDPs share: one replica per rank, identical from the start
+    (broadcast from rank 0), and a switch to skip synchronisation for accumulation."""
+
+    def __init__(self, module: nn.Module, group=None) -> None:
+        super().__init__()
+        _require_process_group(type(self).__name__)
+        self.module, self.group = module, group
+        self.allreduce_calls = 0
+        self._sync = True
+        broadcast_parameters(module, group=group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (gradient accumulation's micro-batches): nothing is
+        communicated until the block ends."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+
+class NaiveDDP(_Replicas):
     """Data parallelism in its simplest form: broadcast once, average every gradient after backward.
 
     Args:
@@ -129,29 +155,12 @@ class NaiveDDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group=None) -> None:
-        super().__init__()
-        _require_process_group("NaiveDDP")
-        self.module, self.group = module, group
-        self.allreduce_calls = 0
-        self._sync = True
-        broadcast_parameters(module, group=group)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        super().__init__(module, group)
 
     def finish_gradient_synchronization(self) -> None:
         """All-reduce and average every gradient (skipped inside :meth:`no_sync`)."""
         if self._sync:
             self.allreduce_calls += average_gradients(self.module, self.group)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (gradient accumulation's micro-batches)."""
-        old, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = old
 
 
 class _Bucket:
@@ -169,7 +178,7 @@ class _Bucket:
         return len(self.ready) == len(self.params)
 
 
-class BucketedDDP(nn.Module):
+class BucketedDDP(_Replicas):
     """Data parallelism that overlaps communication with backward, in buckets.
 
     Args:
@@ -190,14 +199,9 @@ class BucketedDDP(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None,
                  timeline: Timeline | None = None) -> None:
-        super().__init__()
-        _require_process_group("BucketedDDP")
-        self.module, self.group, self.timeline = module, group, timeline
-        self.bucket_cap_mb = bucket_cap_mb
+        super().__init__(module, group)
+        self.timeline, self.bucket_cap_mb = timeline, bucket_cap_mb
         self.world_size = dist.get_world_size(group)
-        self.allreduce_calls = 0
-        self._sync = True
-        broadcast_parameters(module, group=group)
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         groups = assign_buckets([p.numel() * p.element_size() for p in params], bucket_cap_mb,
                                 keys=[(p.dtype, p.device) for p in params])
@@ -211,9 +215,6 @@ class BucketedDDP(nn.Module):
         """Parameter names in each bucket, in launch order."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         return [[names[id(p)] for p in b.params] for b in self._buckets]
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         if not self._sync:
@@ -279,12 +280,3 @@ class BucketedDDP(nn.Module):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: hooks stay quiet, nothing is communicated."""
-        old, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = old
