@@ -57,7 +57,7 @@ class QuizForm:
         self.button.on_click(lambda _b: self.submit())
         self.feedback = W.HTML("")
         self.feedback.add_class("labkit-quiz-feedback")
-        self.widget = W.VBox([prompt, self.input, self.button, self.feedback])
+        self.widget = W.VBox([W.HTML(_STYLE), prompt, self.input, self.button, self.feedback])
         self.widget.add_class("labkit-quiz")
 
     def answer(self) -> Any:
@@ -125,3 +125,14 @@ def _pts(x: float) -> str:
 def _plain(text: str) -> str:
     """Choice labels are plain text in widgets: drop Markdown's code backticks."""
     return text.replace("`", "")
+
+
+# ipywidgets gives every radio/checkbox label one fixed line: a long choice then runs over the
+# next one. Let the labels wrap (scoped to quiz forms).
+_STYLE = """<style>
+.labkit-quiz .widget-radio-box label, .labkit-quiz .widget-checkbox label {
+  height: auto !important; white-space: normal !important; line-height: 1.35;
+  padding: 2px 0; align-items: flex-start; }
+.labkit-quiz .widget-radio-box, .labkit-quiz .widget-checkbox { height: auto !important; }
+.labkit-quiz .widget-radio-box input, .labkit-quiz .widget-checkbox input { margin-top: 3px; }
+</style>"""
