@@ -6,6 +6,8 @@ Training scenarios share one timeout so consecutive jobs reuse warm ranks.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import assert_no_ranks_left, needs_gpus
@@ -216,24 +218,7 @@ def test_all_reduce_batchnorm_equals_batchnorm_on_the_whole_batch(world_size):
 
 
 # ------------------------------------------------------------ the repair exercise
-def _summed_not_averaged(rank, world_size, steps=3):
-    import torch.distributed as dist
-    from torch import nn
-    from labkit.divergence import sgd_step, shard_batch, tiny_model
-    from labkit.diagnosis import fingerprint
-
-    model = tiny_model()
-    for step in range(steps):
-        x, y = shard_batch(rank, world_size, step)
-        model.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)          # summed, never divided
-        sgd_step(model, 0.1)
-    return fingerprint(model)
-
-
-def _averaged(rank, world_size, steps=3):
+def _synced_training(rank, world_size, steps=3, average=True):
     import torch.distributed as dist
     from torch import nn
     from labkit.divergence import sgd_step, shard_batch, tiny_model
@@ -246,9 +231,14 @@ def _averaged(rank, world_size, steps=3):
         nn.functional.mse_loss(model(x), y).backward()
         for p in model.parameters():
             dist.all_reduce(p.grad)
-            p.grad /= world_size
+            if average:                      # the wrong answer sums and never divides
+                p.grad /= world_size
         sgd_step(model, 0.1)
     return fingerprint(model)
+
+
+_averaged = _synced_training
+_summed_not_averaged = functools.partial(_synced_training, average=False)
 
 
 def test_replica_training_checker_against_right_and_wrong_answers():
