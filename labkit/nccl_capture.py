@@ -74,14 +74,13 @@ def capture(scenario: str, out_dir: str | os.PathLike = CAPTURE_DIR, *, backend:
         records = [_flight_summary(p) for p in sorted(glob.glob(f"{dumps}/rank_*"))]
     finally:
         shutil.rmtree(dumps, ignore_errors=True)
-    shown_env = " ".join(f"{k}={v}" for k, v in ENV.items())
+    shown_env = " ".join(f"{k}={v}" for k, v in {**torchrun.AGENT_ENV, **env}.items())
     header = {
         "scenario": scenario,
         "captured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "backend": backend, "torch": machine["torch"], "nccl": machine["nccl"],
         "gpus": machine["gpus"], "python": platform.python_version(),
-        "command": f"torchrun --standalone --nproc-per-node={SCENARIOS[scenario]} -m {SCRIPT} "
-                   + " ".join(args),
+        "command": "torchrun " + " ".join(run.cmds[0][3:]),   # as run, after "python -m ..."
         "env": shown_env, "exit": str(run.returncodes), "wall_s": f"{run.wall_s:.1f}"}
     body = ["# " + f"{k}: {header[k]}" for k in HEADER_KEYS]
     body += ["", "## the job's lines (seconds since start, who printed, text)", run.log("all"),
