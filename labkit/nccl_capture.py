@@ -50,11 +50,12 @@ class CaptureError(LabkitError):
 
 
 def capture(scenario: str, out_dir: str | os.PathLike = CAPTURE_DIR, *, backend: str = "nccl",
-            timeout: float = 5.0) -> Path:
+            timeout: float = 5.0, echo: bool = False) -> Path:
     """Run one scenario under torchrun and write ``<out_dir>/<scenario>.log``; return its path.
 
     ``backend="gloo"`` runs ``skipped`` on the CPU: the same plumbing, gloo's
-    messages (for trying the tool, and for its tests).
+    messages (for trying the tool, and for its tests). ``echo`` streams the job's
+    lines as they come.
     """
     from . import torchrun
 
@@ -70,7 +71,7 @@ def capture(scenario: str, out_dir: str | os.PathLike = CAPTURE_DIR, *, backend:
     args = [scenario, "--timeout", str(timeout), "--backend", backend]
     try:
         run = torchrun.run(SCRIPT, args, nproc_per_node=SCENARIOS[scenario], env=env,
-                           echo=False, timeout=timeout + 120.0)
+                           echo=echo, timeout=timeout + 120.0)
         records = [_flight_summary(p) for p in sorted(glob.glob(f"{dumps}/rank_*"))]
     finally:
         shutil.rmtree(dumps, ignore_errors=True)
@@ -136,19 +137,22 @@ class Capture:
                          + [DUMPS + dumps.rstrip()])
 
 
+def load(path: str | os.PathLike) -> Capture:
+    """One capture file, checked for a complete header."""
+    path = Path(path)
+    text = path.read_text()
+    header = dict(m.groups() for m in re.finditer(r"^# (\w+): (.*)$", text, re.M))
+    missing = [k for k in HEADER_KEYS if k not in header]
+    if missing:
+        raise CaptureError(f"{path} is not a labkit capture (no {', '.join(missing)} in its "
+                           f"header): make it with `python -m labkit.nccl_capture` on a GPU "
+                           f"machine, or remove it.")
+    return Capture(path, header, text)
+
+
 def stored(directory: str | os.PathLike = CAPTURE_DIR) -> list[Capture]:
-    """The captures in ``directory`` (``*.log``), each checked for a complete header."""
-    out = []
-    for path in sorted(Path(directory).glob("*.log")):
-        text = path.read_text()
-        header = dict(m.groups() for m in re.finditer(r"^# (\w+): (.*)$", text, re.M))
-        missing = [k for k in HEADER_KEYS if k not in header]
-        if missing:
-            raise CaptureError(f"{path} is not a labkit capture (no {', '.join(missing)} in its "
-                               f"header): make it with `python -m labkit.nccl_capture` on a GPU "
-                               f"machine, or remove it.")
-        out.append(Capture(path, header, text))
-    return out
+    """The captures in ``directory`` (``*.log``)."""
+    return [load(p) for p in sorted(Path(directory).glob("*.log"))]
 
 
 def show(directory: str | os.PathLike = CAPTURE_DIR) -> list[Capture]:
@@ -164,6 +168,24 @@ def show(directory: str | os.PathLike = CAPTURE_DIR) -> list[Capture]:
         print(c.excerpt())
         print()
     return caps
+
+
+def live(names: list[str] | tuple = ("busy_gpu", "same_device"), *, backend: str = "nccl",
+         timeout: float = 5.0) -> list[Capture]:
+    """Run scenarios here and now (one GPU fits the default two), streaming their lines.
+
+    Each job's lines are printed as they come, then its flight-recorder dumps;
+    the captures are returned (their files are in a temporary folder, removed).
+    """
+    out = []
+    with tempfile.TemporaryDirectory(prefix="labkit-nccl-live-") as tmp:
+        for name in names:
+            print(f"===== LIVE run on this machine: {name} ({backend}) =====", flush=True)
+            cap = load(capture(name, tmp, backend=backend, timeout=timeout, echo=True))
+            print(f"torchrun exit codes {cap.header['exit']} after {cap.header['wall_s']} s")
+            print(DUMPS + cap.text.partition(DUMPS)[2])
+            out.append(cap)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,16 @@ def test_gloo_capture_records_the_job_and_reads_back(tmp_path, capsys):
     assert "CAPTURED LOG, not a live run: skipped" in out and "backend: gloo" in out
 
 
+def test_live_streams_the_run_and_prints_its_dumps(capsys):
+    (cap,) = C.live(["skipped"], backend="gloo", timeout=3.0)
+    out = capsys.readouterr().out
+    assert "LIVE run on this machine: skipped (gloo)" in out
+    assert "rank 1: all_reduce #2 issued" in out and "RuntimeError" in out   # streamed
+    assert "torchrun exit codes [1]" in out and "flight-recorder dumps (0)" in out
+    assert cap.header["backend"] == "gloo" and not cap.path.exists()      # temp file removed
+    assert live_processes() == []
+
+
 def _fr_dump(rank, world_size):
     import torch
     import torch.distributed as dist
