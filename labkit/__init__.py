@@ -6,41 +6,60 @@ Notebooks use one import and a few verbs::
     res = lk.run(step, world_size=4)   # step(rank, world_size) on 4 real ranks
     res.values, res.stdout, res.wall_s
 
-Importing labkit is cheap: torch is imported by the ranks, and in the notebook
-only when a verb needs it. In a Jupyter kernel the import also starts the rank
-launcher in the background (one process that imports torch once and forks
-ranks from then on), so the first ``lk.run`` answers in about a second;
+The package's layout is the syllabus: :mod:`labkit.runtime` runs ranks and owns every process
+the lab starts; :mod:`labkit.grading` scores quizzes and exercises; :mod:`labkit.diagnosis`
+reads failed jobs; :mod:`labkit.common` holds what every lesson shares; then one subpackage
+per lesson, each with its content modules and a ``check.py`` for its exercise checkers:
+``parallelism`` (01), ``ddp`` (02), ``collectives`` (03), ``pitfalls`` (04), ``torchrun`` (05).
+A lesson imports only the layers below it and earlier lessons' shared pieces, never a later
+lesson.
+
+Importing labkit is cheap: torch is imported by the ranks, and in the notebook only when a
+verb needs it. Lesson handles (``lk.ddp``, ``lk.quiz`` ...) load on first use. In a Jupyter
+kernel the import also starts the rank launcher in the background (one process that imports
+torch once and forks ranks from then on), so the first ``lk.run`` answers in about a second;
 ``LABKIT_PRESTART=0`` turns that off. It ends with the kernel.
 """
 import os as _os
 import sys as _sys
 
-from .errors import (BackendUnavailable, InvalidJob, JobFailed, JobTimeout, LabkitError,
-                     RankCrashed, RankError, RemoteTraceback, ResultNotPicklable)
-from .launch import MAX_WORLD_SIZE, run, shutdown, warmup
-from .result import JobResult, RankResult
+from .runtime import (MAX_WORLD_SIZE, BackendUnavailable, InvalidJob, JobFailed, JobResult,
+                      JobTimeout, LabkitError, RankCrashed, RankError, RankResult,
+                      RemoteTraceback, ResultNotPicklable, UnsupportedPlatform, run, shutdown,
+                      warmup)
 
-__all__ = [
-    "run", "warmup", "shutdown", "diagnose", "JobResult", "RankResult", "MAX_WORLD_SIZE",
-    "LabkitError", "InvalidJob", "BackendUnavailable", "JobFailed", "RankError",
-    "ResultNotPicklable", "RankCrashed", "JobTimeout", "RemoteTraceback",
-]
-__version__ = "0.1.0"
+# The notebooks' handles: ``lk.<handle>`` -> the module it names (loaded on first use).
+HANDLES = {
+    "quiz": "grading.quiz", "exercise": "grading.exercise",
+    "plots": "common.plots",
+    "parallelism": "parallelism",                                          # notebook 01
+    "ddp": "ddp", "overlap": "ddp.overlap",                                # notebook 02
+    "collectives": "collectives", "ringviz": "collectives.player",         # notebook 03
+    "bandwidth": "collectives.bandwidth",
+    "pitfalls": "pitfalls", "diagnosis": "diagnosis",                      # notebook 04
+    "nccl_capture": "pitfalls.nccl_capture",
+    "torchrun": "torchrun", "train": "torchrun.train",                     # notebook 05
+}
 
-# Lesson modules load on first use (``lk.collectives``, ``lk.quiz`` ...): one concept each.
-_SUBMODULES = ("quiz", "exercise", "grade", "notebooks", "collectives", "ringviz", "bandwidth",
-               "ddp", "ddp_check", "overlap", "timeline", "pipeline_check", "plots", "parallelism",
-               "pitfalls", "diagnosis", "train", "torchrun", "stacks", "bench", "nccl_capture")
+__all__ = ["run", "warmup", "shutdown", "diagnose", "JobResult", "RankResult", "MAX_WORLD_SIZE",
+           "LabkitError", "InvalidJob", "UnsupportedPlatform", "BackendUnavailable", "JobFailed",
+           "RankError", "ResultNotPicklable", "RankCrashed", "JobTimeout", "RemoteTraceback",
+           *HANDLES]
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str):
     import importlib
 
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+    if name in HANDLES:
+        return importlib.import_module(f"{__name__}.{HANDLES[name]}")
     if name == "diagnose":  # lk.diagnose(result): a verdict for a failed job (notebook 04)
         return importlib.import_module(f"{__name__}.diagnosis").diagnose
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 if ("ipykernel" in _sys.modules and _os.environ.get("LABKIT_PRESTART", "1") != "0"

@@ -1,7 +1,16 @@
-"""Shared fixtures: every multi-process test checks that no rank outlives its job."""
+"""Shared fixtures and helpers: no test may leave a process behind.
+
+:func:`no_process_left_behind` runs around **every** test (autouse), whatever order the tests
+run in: a process the test started that is still alive a few seconds after it ended (a rank,
+a kernel, a torchrun agent or worker, even one re-parented to init) fails the test and is
+killed. The runner's own warm pool and zygotes are kept on purpose
+(:func:`labkit.runtime.managed_pids`); every other process a job starts must be gone.
+"""
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 
 import psutil
@@ -15,7 +24,7 @@ def lab_processes() -> tuple[list[psutil.Process], list[psutil.Process]]:
     zygotes, ranks = [], []
     for child in psutil.Process().children():
         try:
-            if any("labkit._zygote" in part for part in child.cmdline()):
+            if any("labkit.runtime.zygote" in part for part in child.cmdline()):
                 zygotes.append(child)
                 ranks.extend(child.children())
         except psutil.NoSuchProcess:
@@ -60,6 +69,62 @@ def has_gpus(n: int) -> bool:
         return torch.cuda.is_available() and torch.cuda.device_count() >= n
     except Exception:  # noqa: BLE001
         return False
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _ours() -> dict[int, psutil.Process]:
+    """Live descendants of this process, and workers of torchrun jobs it launched (orphans too)."""
+    procs = {p.pid: p for p in psutil.Process().children(recursive=True)}
+    tr = sys.modules.get("labkit.runtime.torchrun")
+    if tr is not None:
+        procs.update((p.pid, p) for p in tr.live_processes())
+    return {pid: p for pid, p in procs.items() if _alive(p)}
+
+
+@contextlib.contextmanager
+def nothing_left_behind(grace: float = 5.0):
+    """Fail (and kill what is left) if the block leaves a process of its own running.
+
+    The runner's warm pool and zygotes are kept on purpose: :func:`labkit.runtime.managed_pids`.
+    """
+    from labkit.runtime import managed_pids
+
+    before = set(_ours())
+    yield
+
+    def leaked() -> list[psutil.Process]:
+        keep = before | managed_pids()
+        return [p for pid, p in _ours().items() if pid not in keep]
+    end = time.monotonic() + grace
+    while leaked() and time.monotonic() < end:   # a process may take a moment to be reaped
+        time.sleep(0.05)
+    left = leaked()
+    if left:
+        names = []
+        for p in left:
+            try:
+                names.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
+            except psutil.Error:
+                names.append(str(p.pid))
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        pytest.fail("the test left processes running (now killed):\n  " + "\n  ".join(names),
+                    pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Around every test: a process the test started must be gone when it ends."""
+    with nothing_left_behind():
+        yield
 
 
 gpu = pytest.mark.gpu

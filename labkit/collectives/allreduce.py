@@ -1,0 +1,286 @@
+"""All-reduce written by hand: the naive master approach, then the chunked ring (notebook 03).
+
+``dist.all_reduce`` leaves the elementwise sum of every rank's tensor on every rank. Two
+ways to build it from point-to-point messages:
+
+* :func:`naive_all_reduce` — every rank sends its whole tensor to rank 0, which adds them
+  up and sends the result back: rank 0 moves (N-1)·S bytes each way, one peer at a time.
+* :func:`ring_all_reduce` — split the tensor into N chunks; N-1 steps of *reduce-scatter*
+  (pass a chunk to the right neighbour, add the one from the left) leave each rank with one
+  fully reduced chunk; N-1 steps of *all-gather* pass the reduced chunks around. Every rank
+  sends 2(N-1)/N·S bytes, however many ranks there are.
+
+Both work in place and return the tensor, like ``dist.all_reduce`` (``op="sum"`` or
+``"mean"``), on gloo and NCCL, for any shape, dtype and length (even shorter than N).
+With ``trace=RankTrace(...)`` they record every message and every chunk's value after each
+step (:mod:`labkit.collectives.trace`); :func:`record` runs one on real ranks and returns the
+merged :class:`~labkit.collectives.trace.Trace`. The exercise checker and the quiz keys are
+in :mod:`labkit.collectives.check`.
+
+Example::
+
+    def step(rank, world_size):
+        t = torch.arange(10.0) * (rank + 1)
+        return lk.collectives.ring_all_reduce(t)
+
+    lk.run(step, world_size=3).values[0]      # == torch.arange(10.0) * 6
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..runtime import run
+from .trace import RankTrace, Trace, now, tracing
+
+__all__ = ["ring_all_reduce", "naive_all_reduce", "ring_schedule", "expected_traffic",
+           "ring_bytes_per_rank", "naive_master_bytes", "check_traffic", "record",
+           "powers_of_ten"]
+
+
+# ------------------------------------------------------------------ the algorithms
+def ring_all_reduce(tensor, op: Any = "sum", *, trace: RankTrace | None = None):
+    """Chunked ring all-reduce of ``tensor`` in place (call it inside a rank); returns it.
+
+    Args:
+        tensor: this rank's tensor (any shape and dtype; on the rank's GPU with NCCL).
+        op: "sum" or "mean" (also ``dist.ReduceOp.SUM`` / ``AVG``).
+        trace: a :class:`RankTrace` to record the messages and chunk values into.
+    """
+    import torch.distributed as dist
+    mean = _check(tensor, op, "ring_all_reduce")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    chunks = flat.tensor_split(n)                     # views; sizes differ by at most 1
+    right, left = (rank + 1) % n, (rank - 1) % n
+    buf = flat.new_empty(chunks[0].numel()) if n > 1 else None   # chunk 0 is the largest
+    if trace is not None:
+        trace.start(flat)
+    for step, (send_c, recv_c) in enumerate(_ring_chunks(rank, n), start=1):
+        scatter = step <= n - 1                       # reduce-scatter, then all-gather
+        incoming = buf[:chunks[recv_c].numel()] if scatter else chunks[recv_c]
+        _exchange(chunks[send_c], right, incoming, left, trace, step, send_c, recv_c)
+        if scatter:
+            chunks[recv_c].add_(incoming)
+        if trace is not None:
+            trace.snapshot()
+    return _finish(tensor, flat, mean, n)
+
+
+def naive_all_reduce(tensor, op: Any = "sum", *, trace: RankTrace | None = None):
+    """All-reduce through rank 0, in place: it receives every tensor, adds, sends the sum back.
+
+    Rank 0 talks to one peer per step (its one link is the bottleneck): steps 1..N-1 receive
+    from ranks 1..N-1, steps N..2(N-1) send to them. Same arguments as :func:`ring_all_reduce`.
+    """
+    import torch.distributed as dist
+    mean = _check(tensor, op, "naive_all_reduce")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    buf = flat.new_empty(flat.numel()) if rank == 0 and n > 1 else None
+    if trace is not None:
+        trace.start(flat)
+    for step in range(1, 2 * (n - 1) + 1):
+        peer = step if step <= n - 1 else step - (n - 1)
+        sending = (step <= n - 1) != (rank == 0)      # non-masters send first, master second
+        if rank in (0, peer) and flat.numel():
+            t0 = now()
+            if sending:
+                dist.send(flat, 0 if rank else peer)
+            else:
+                dist.recv(buf if rank == 0 else flat, 0 if rank else peer)
+            if rank == 0 and step <= n - 1:
+                flat.add_(buf)                        # t0 + t1 + ... in rank order
+            if trace is not None:
+                trace.record("send" if sending else "recv", 0 if rank else peer,
+                             flat.numel() * flat.element_size(), step, None, t0, _sync_now(flat))
+        if trace is not None:
+            trace.snapshot()
+    return _finish(tensor, flat, mean, n)
+
+
+def _ring_chunks(rank: int, n: int):
+    """(chunk sent, chunk received) by ``rank`` in each of the 2(N-1) ring steps."""
+    for s in range(n - 1):                            # reduce-scatter
+        yield (rank - s) % n, (rank - s - 1) % n
+    for s in range(n - 1):                            # all-gather: pass the reduced chunks on
+        yield (rank + 1 - s) % n, (rank - s) % n
+
+
+def _exchange(out, right: int, incoming, left: int, trace, step: int, send_c: int,
+              recv_c: int) -> None:
+    """Send ``out`` to the right and receive ``incoming`` from the left at the same time.
+
+    On NCCL the pair goes in one ``batch_isend_irecv`` group: two ranks that each queue a lone
+    send first can wait for each other forever. On gloo plain ``isend``/``irecv`` is faster.
+    """
+    import torch.distributed as dist
+    ops = [(dist.isend, out, right, send_c), (dist.irecv, incoming, left, recv_c)]
+    ops = [op for op in ops if op[1].numel()]         # empty chunks (tensor shorter than N)
+    if not ops:
+        return
+    t0 = now()
+    if dist.get_backend() == "nccl":
+        works = dist.batch_isend_irecv([dist.P2POp(f, t, peer) for f, t, peer, _ in ops])
+    else:
+        works = [f(t, peer) for f, t, peer, _ in ops]
+    ends = []
+    for w in works:
+        w.wait()
+        ends.append(_sync_now(out) if trace is not None else 0.0)
+    if trace is not None:
+        ends += [ends[-1]] * (len(ops) - len(ends))   # NCCL may hand back one work for both
+        for (f, t, peer, chunk), end in zip(ops, ends):
+            trace.record("send" if f is dist.isend else "recv", peer,
+                         t.numel() * t.element_size(), step, chunk, t0, end)
+
+
+def _sync_now(t) -> float:
+    if t.is_cuda:                                     # GPU work is asynchronous
+        import torch
+        torch.cuda.synchronize(t.device)
+    return now()
+
+
+def _check(tensor, op: Any, who: str) -> bool:
+    """Validate the call; True when the result is to be averaged."""
+    import torch
+    import torch.distributed as dist
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{who} needs a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{who} handles dense tensors only, got layout {tensor.layout}; "
+                        f"call .to_dense() first.")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{who} talks to other ranks, but no process group is initialised "
+                           f"in this process. Call it inside a function run by lk.run(...).")
+    name = op.lower() if isinstance(op, str) else {dist.ReduceOp.SUM: "sum",
+                                                   dist.ReduceOp.AVG: "mean"}.get(op)
+    if name not in ("sum", "mean", "avg"):
+        raise ValueError(f"{who} supports op='sum' or op='mean', got {op!r}.")
+    if name != "sum" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"{who}(op='mean') of a {tensor.dtype} tensor would not be a whole "
+                        f"number: convert first (t.float()) or use op='sum'.")
+    return name != "sum"
+
+
+def _finish(tensor, flat, mean: bool, n: int):
+    if mean:
+        flat.div_(n)
+    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.copy_(flat.view(tensor.shape))
+    return tensor
+
+
+# ------------------------------------------------------------------ traffic
+def ring_schedule(world_size: int) -> list[dict]:
+    """The ring's plan: for each step, which chunk every rank sends to its right neighbour.
+
+    >>> ring_schedule(3)[0]
+    {'step': 1, 'phase': 'reduce-scatter', 'sends': [(0, 1, 0), (1, 2, 1), (2, 0, 2)]}
+
+    ``sends`` holds ``(src, dst, chunk)``.
+    """
+    n = world_size
+    per_rank = [list(_ring_chunks(r, n)) for r in range(n)]
+    return [dict(step=k + 1, phase="reduce-scatter" if k < n - 1 else "all-gather",
+                 sends=[(r, (r + 1) % n, per_rank[r][k][0]) for r in range(n)])
+            for k in range(2 * (n - 1))]
+
+
+def ring_bytes_per_rank(nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce: 2(N-1)/N · S."""
+    return 2 * (world_size - 1) / world_size * nbytes
+
+
+def naive_master_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes rank 0 receives (and again sends) in the naive all-reduce: (N-1) · S."""
+    return (world_size - 1) * nbytes
+
+
+def expected_traffic(algorithm: str, numel: int, world_size: int,
+                     element_size: int = 4) -> list[dict]:
+    """Exact bytes each rank sends and receives, chunk sizes included (uneven splits too)."""
+    import torch
+    n, s = world_size, numel * element_size
+    if algorithm == "naive":
+        per = [(n - 1) * s] + [s] * (n - 1) if n > 1 else [0]
+        return [dict(rank=r, sent=per[r], received=per[r]) for r in range(n)]
+    if algorithm != "ring":
+        raise ValueError(f"algorithm must be 'ring' or 'naive', got {algorithm!r}.")
+    sizes = [int(c.numel()) * element_size for c in torch.empty(numel).tensor_split(n)]
+    rows = []
+    for r in range(n):
+        plan = list(_ring_chunks(r, n))
+        rows.append(dict(rank=r, sent=sum(sizes[c] for c, _ in plan),
+                         received=sum(sizes[c] for _, c in plan)))
+    return rows
+
+
+def check_traffic(trace: Trace) -> list[dict]:
+    """Measured bytes per rank next to the formulas: one row per rank, with ``ok``.
+
+    Rows: rank, sent, received, expected (exact, uneven chunks included) and formula
+    (2(N-1)/N·S for the ring; (N-1)·S at the master, S elsewhere for naive).
+    """
+    exp = expected_traffic(trace.algorithm, trace.numel, trace.world_size, trace.element_size)
+    n, s = trace.world_size, trace.nbytes
+    rows = []
+    for got, want in zip(trace.traffic(), exp):
+        formula = ring_bytes_per_rank(s, n) if trace.algorithm == "ring" else (
+            naive_master_bytes(s, n) if got["rank"] == 0 else s)
+        rows.append(dict(got, expected=want["sent"], formula=formula,
+                         ok=got["sent"] == want["sent"] and got["received"] == want["received"]))
+    return rows
+
+
+# ------------------------------------------------------------------ recording a run
+def powers_of_ten(rank: int, world_size: int, numel: int):
+    """Rank r holds 10**r everywhere, so a sum's digits say which ranks it contains (1011)."""
+    import torch
+    return torch.full((numel,), float(10 ** rank))
+
+
+def _record_job(rank: int, world_size: int, fn, algorithm: str, numel: int, make, op: str,
+                max_values: int):
+    import torch
+    import torch.distributed as dist
+    t = make(rank, world_size, numel)
+    if dist.get_backend() == "nccl":
+        t = t.to(torch.device("cuda", rank))
+    dist.barrier()                                # start together: times line up across ranks
+    if fn is None:
+        tr = RankTrace(rank, world_size, algorithm, max_values)
+        (ring_all_reduce if algorithm == "ring" else naive_all_reduce)(t, op, trace=tr)
+        return tr
+    with tracing(t, algorithm, max_values) as tr:
+        out = fn(t)
+    if isinstance(out, torch.Tensor) and out.data_ptr() != t.data_ptr():
+        t.copy_(out.reshape(t.shape))             # a function that returns a new tensor
+        tr.frames[-1] = [t.view(-1)[a:min(b, a + max_values)].cpu().tolist()
+                         for a, b in tr.bounds]
+    return tr
+
+
+def record(algorithm: str | Callable = "ring", world_size: int = 4, numel: int = 8, *,
+           make: Callable = powers_of_ten, op: str = "sum", max_values: int = 8,
+           timeout: float = 20.0, backend: str = "auto") -> Trace:
+    """Run one traced all-reduce on ``world_size`` real ranks and return its :class:`Trace`.
+
+    Args:
+        algorithm: "ring", "naive", or your own function ``fn(tensor)`` that all-reduces
+            ``tensor`` in place with ``dist.isend/irecv`` (it is watched with :func:`tracing`).
+        numel: elements in each rank's tensor; ``make(rank, world_size, numel)`` builds it
+            (default :func:`powers_of_ten`).
+
+    Example::
+
+        trace = lk.collectives.record("ring", world_size=4, numel=8)
+        trace.sent(rank=2, step=3)          # bytes rank 2 sent in step 3
+    """
+    fn = None if isinstance(algorithm, str) else algorithm
+    if fn is None and algorithm not in ("ring", "naive"):
+        raise ValueError(f"algorithm must be 'ring', 'naive' or a function, got {algorithm!r}.")
+    label = algorithm if fn is None else "ring"
+    res = run(_record_job, world_size, args=(fn, label, numel, make, op, max_values),
+              timeout=timeout, backend=backend)
+    return Trace(res.values)

@@ -1,0 +1,316 @@
+"""All-reduce bandwidth, measured: dist.all_reduce vs the hand-written ring vs naive (notebook 03).
+
+Reports what nccl-tests reports (NVIDIA/nccl-tests: doc/PERFORMANCE.md):
+
+* **time** — median over runs of the slowest rank's time for one all-reduce;
+* **algbw** = S / time (S: the tensor's bytes);
+* **busbw** = algbw · 2(N-1)/N — the bytes each rank's link really carried per second in a
+  bandwidth-optimal all-reduce, so it compares across world sizes and with the link speed.
+
+An α–β model (time = steps·α + bytes on the busiest link·β) is fitted to the ring's
+measurements (:func:`fit`); :func:`at_scale` evaluates the same model with published
+NVLink / InfiniBand bandwidths for 8 to 1024 GPUs — a **model prediction**, not a measurement.
+
+Command (the full sweep; the notebook measures a few sizes)::
+
+    python -m labkit bench allreduce            # 4 KiB..4 MiB, 2 and 4 ranks
+    python -m labkit bench allreduce --full     # 4 KiB..64 MiB
+
+Example::
+
+    rows = lk.bandwidth.measure(sizes=[2**16, 2**20], world_sizes=(2,))
+    print(lk.bandwidth.table(rows))
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Iterable
+
+from ..common.progress import progress as progress_bar
+from ..runtime import run
+
+__all__ = ["measure", "table", "ratios", "plot", "fit", "predict", "at_scale", "scale_table",
+           "plot_scale", "main",
+           "IMPLS", "SIZES", "FULL_SIZES", "LINKS", "fmt_bytes"]
+
+KiB, MiB, GiB = 2 ** 10, 2 ** 20, 2 ** 30
+IMPLS = ("dist.all_reduce", "ring", "naive")
+SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB)                 # the notebook: a few seconds
+FULL_SIZES = tuple(4 ** k * 4 * KiB for k in range(8))        # 4 KiB, 16 KiB .. 64 MiB
+# Published per-GPU link speeds, one direction (bytes/s), and an assumed per-step latency.
+LINKS = {
+    "nvlink": dict(name="NVLink 4 (H100 SXM, inside a node)", bandwidth=450e9, alpha=2e-6,
+                   source="NVIDIA H100 datasheet: 900 GB/s NVLink per GPU, both directions"),
+    "infiniband": dict(name="InfiniBand NDR (one 400 Gb/s NIC per GPU, between nodes)",
+                       bandwidth=50e9, alpha=5e-6,
+                       source="NVIDIA DGX H100: 8x ConnectX-7, 400 Gb/s each = 50 GB/s"),
+}
+
+
+def fmt_bytes(n: float) -> str:
+    """4096 -> '4 KiB', 1048576 -> '1 MiB'."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n:g} B"
+
+
+def _iters(nbytes: int) -> int:
+    return 20 if nbytes <= 64 * KiB else 10 if nbytes <= MiB else 5 if nbytes <= 16 * MiB else 3
+
+
+def _bench_job(rank: int, world_size: int, nbytes: int, impls: tuple, iters: int):
+    """In every rank: time each implementation ``iters`` times (interleaved), after 1 warm-up."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from .allreduce import naive_all_reduce, ring_all_reduce
+    fns = {"dist.all_reduce": dist.all_reduce, "ring": ring_all_reduce, "naive": naive_all_reduce}
+    cuda = dist.get_backend() == "nccl"
+    t = torch.ones(nbytes // 4, device=torch.device("cuda", rank) if cuda else "cpu")
+    times = {name: [] for name in impls}
+    for i in range(iters + 1):
+        for name in impls:
+            t.fill_(1.0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[name](t)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if t[0].item() != world_size or t[-1].item() != world_size:
+                raise RuntimeError(f"{name} gave {t[0].item()} on rank {rank}, expected "
+                                   f"{world_size}: the benchmark would time a wrong result")
+            if i:
+                times[name].append(dt)
+    return times
+
+
+def measure(sizes: Iterable[int] = SIZES, world_sizes: Iterable[int] = (2, 4),
+            impls: Iterable[str] = IMPLS, iters: int | None = None, backend: str = "auto",
+            progress: bool = True) -> list[dict]:
+    """Time each all-reduce for each message size and world size on real ranks.
+
+    Args:
+        sizes: message sizes in bytes (float32 tensors of ``size // 4`` elements).
+        world_sizes: rank counts to run (each a job of its own).
+        impls: any of :data:`IMPLS`.
+        iters: timed runs per point (default: 20 for small messages down to 3 for 64 MiB).
+
+    Returns rows ``{world_size, impl, bytes, time_s, algbw, busbw, runs, backend}``
+    (bandwidths in GB/s).
+    """
+    impls, sizes, world_sizes = tuple(impls), list(sizes), list(world_sizes)
+    bad = [i for i in impls if i not in IMPLS]
+    if bad or not sizes or any(s < 4 for s in sizes):
+        raise ValueError(f"impls must come from {IMPLS} (got {bad}) and sizes must be >= 4 "
+                         f"bytes (float32), got {sizes}.")
+    jobs = [(n, s) for n in world_sizes for s in sizes]
+    bar = progress_bar(total=len(jobs), show=progress, unit="job")
+    rows = []
+    for n, s in jobs:
+        bar.set_description(f"{n} ranks, {fmt_bytes(s)}")
+        k = iters or _iters(s)
+        res = run(_bench_job, n, args=(s, impls, k), backend=backend, timeout=120, echo=False)
+        for name in impls:
+            per_run = [max(v[name][i] for v in res.values) for i in range(k)]  # slowest rank
+            t = statistics.median(per_run)
+            algbw = s / t / 1e9
+            rows.append(dict(world_size=n, impl=name, bytes=s, time_s=t, algbw=algbw,
+                             busbw=algbw * 2 * (n - 1) / n, runs=k, backend=res.backend
+                             if hasattr(res, "backend") else backend))
+        bar.update(1)
+    bar.close()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The measurements as a text table, with the ring's time relative to dist.all_reduce."""
+    ref = {(r["world_size"], r["bytes"]): r["time_s"] for r in rows
+           if r["impl"] == "dist.all_reduce"}
+    out = [f"{'ranks':>5}  {'size':>8}  {'impl':<16} {'time ms':>9} {'algbw GB/s':>11} "
+           f"{'busbw GB/s':>11} {'x dist':>7}"]
+    for r in rows:
+        base = ref.get((r["world_size"], r["bytes"]))
+        rel = f"{r['time_s'] / base:.2f}" if base else "-"
+        out.append(f"{r['world_size']:>5}  {fmt_bytes(r['bytes']):>8}  {r['impl']:<16} "
+                   f"{r['time_s'] * 1e3:>9.3f} {r['algbw']:>11.3f} {r['busbw']:>11.3f} {rel:>7}")
+    return "\n".join(out)
+
+
+def ratios(rows: list[dict], impl: str = "ring", world_size: int = 2,
+           min_bytes: int = MiB) -> list[float]:
+    """``impl``'s time / dist.all_reduce's, messages >= ``min_bytes`` on ``world_size`` ranks."""
+    ref = {r["bytes"]: r["time_s"] for r in rows
+           if r["impl"] == "dist.all_reduce" and r["world_size"] == world_size}
+    return [r["time_s"] / ref[r["bytes"]] for r in rows if r["impl"] == impl
+            and r["world_size"] == world_size and r["bytes"] >= min_bytes and r["bytes"] in ref]
+
+
+def _figure(**kw):
+    """A Figure that shows as a picture when a cell returns it.
+
+    Made through pyplot, which switches on the kernel's inline backend (a bare
+    ``matplotlib.figure.Figure`` shows as ``<Figure size ...>`` text in JupyterLab),
+    then closed so pyplot does not show it a second time at the end of the cell.
+    """
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(**kw)
+    plt.close(fig)
+    return fig
+
+
+def plot(rows: list[dict], models: list[dict] | None = None):
+    """busbw against message size, one panel per world size (a matplotlib Figure)."""
+    sizes_by_n = sorted({r["world_size"] for r in rows})
+    fig = _figure(figsize=(5.2 * len(sizes_by_n), 3.8), dpi=80)
+    for i, n in enumerate(sizes_by_n):
+        ax = fig.add_subplot(1, len(sizes_by_n), i + 1)
+        for impl in IMPLS:
+            pts = sorted((r["bytes"], r["busbw"]) for r in rows
+                         if r["world_size"] == n and r["impl"] == impl)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{impl} (measured)")
+        for m in models or []:
+            if m["world_size"] == n:
+                xs = sorted({r["bytes"] for r in rows if r["world_size"] == n})
+                ys = [s / predict(m["alpha"], m["beta"], s, n) / 1e9 * 2 * (n - 1) / n for s in xs]
+                ax.plot(xs, ys, "k--", lw=1, label=f"{m['impl']}: α–β model fit")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["bytes"] for r in rows if r["world_size"] == n})
+        ax.set_xticks(ticks, [fmt_bytes(t) for t in ticks], fontsize=7)
+        ax.minorticks_off()
+        ax.set_xlabel("message size")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"all-reduce, {n} ranks ({rows[0].get('backend', '')})", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------ the α–β model
+def predict(alpha: float, beta: float, nbytes: float, world_size: int,
+            algorithm: str = "ring") -> float:
+    """Model time of one all-reduce: α per step plus β per byte on the busiest link.
+
+    ring: 2(N-1)·α + 2(N-1)/N·S·β;  naive: 2(N-1)·α + 2(N-1)·S·β (all through rank 0);
+    tree (NCCL's double binary tree, roughly): 2·log2(N)·α + 2·S·β.
+    """
+    import math
+    n = world_size
+    if algorithm == "ring":
+        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
+    if algorithm == "naive":
+        return 2 * (n - 1) * alpha + 2 * (n - 1) * nbytes * beta
+    if algorithm == "tree":
+        return 2 * math.log2(n) * alpha + 2 * nbytes * beta
+    raise ValueError(f"algorithm must be 'ring', 'naive' or 'tree', got {algorithm!r}.")
+
+
+def fit(rows: list[dict], impl: str = "ring") -> list[dict]:
+    """Fit α (s per step) and β (s per byte) to the measurements of ``impl``, per world size.
+
+    Least squares on relative error, so small and large messages count alike. Returns
+    ``{impl, world_size, alpha, beta, link_GBps (= 1/β), worst_error (relative)}`` rows.
+    """
+    import numpy as np
+    out = []
+    for n in sorted({r["world_size"] for r in rows if r["impl"] == impl}):
+        pts = [(r["bytes"], r["time_s"]) for r in rows
+               if r["impl"] == impl and r["world_size"] == n]
+        if len(pts) < 2:
+            raise ValueError(f"fitting needs at least 2 message sizes for {impl} on {n} ranks.")
+        unit = predict(1.0, 0.0, 1, n, impl), predict(0.0, 1.0, 1, n, impl)  # steps, bytes/S
+        a = np.array([[unit[0], unit[1] * s] for s, _ in pts]) / np.array([[t] for _, t in pts])
+        (alpha, beta), *_ = np.linalg.lstsq(a, np.ones(len(pts)), rcond=None)
+        alpha, beta = max(float(alpha), 0.0), max(float(beta), 1e-15)
+        worst = max(abs(predict(alpha, beta, s, n, impl) - t) / t for s, t in pts)
+        out.append(dict(impl=impl, world_size=n, alpha=alpha, beta=beta, link_GBps=1e-9 / beta,
+                        worst_error=worst))
+    return out
+
+
+def at_scale(gpus: Iterable[int] = (8, 16, 64, 256, 1024),
+             sizes: Iterable[int] = (MiB, 64 * MiB, GiB)) -> list[dict]:
+    """MODEL PREDICTION for big clusters from published link speeds (:data:`LINKS`).
+
+    8 GPUs: one node, NVLink. More: the ring crosses nodes, and its slowest link, one
+    InfiniBand NIC per GPU, sets the pace. Rows: gpus, bytes, link, ring_s, tree_s.
+    """
+    out = []
+    for n in gpus:
+        link = LINKS["nvlink" if n <= 8 else "infiniband"]
+        for s in sizes:
+            out.append(dict(gpus=n, bytes=s, link=link["name"],
+                            ring_s=predict(link["alpha"], 1 / link["bandwidth"], s, n, "ring"),
+                            tree_s=predict(link["alpha"], 1 / link["bandwidth"], s, n, "tree")))
+    return out
+
+
+def scale_table(rows: list[dict]) -> str:
+    """:func:`at_scale` rows as text, headed MODEL PREDICTION, with the figures used."""
+    out = ["MODEL PREDICTION (alpha-beta model with published link speeds; not measured)",
+           f"{'GPUs':>5}  {'size':>8}  {'ring ms':>9}  {'tree ms':>9}  link"]
+    for r in rows:
+        out.append(f"{r['gpus']:>5}  {fmt_bytes(r['bytes']):>8}  {r['ring_s'] * 1e3:>9.3f}  "
+                   f"{r['tree_s'] * 1e3:>9.3f}  {r['link']}")
+    out += [f"  {v['name']}: {v['bandwidth'] / 1e9:g} GB/s per direction ({v['source']}); "
+            f"alpha = {v['alpha'] * 1e6:g} us per step (assumed)" for v in LINKS.values()]
+    return "\n".join(out)
+
+
+def plot_scale(rows: list[dict]):
+    """Ring vs tree time against GPU count, one line per message size (MODEL PREDICTION)."""
+    fig = _figure(figsize=(6.4, 3.8), dpi=80)
+    ax = fig.add_subplot()
+    for s in sorted({r["bytes"] for r in rows}):
+        pts = sorted((r["gpus"], r["ring_s"], r["tree_s"]) for r in rows if r["bytes"] == s)
+        g, ring, tree = zip(*pts)
+        line, = ax.plot(g, [t * 1e3 for t in ring], marker="o", label=f"ring, {fmt_bytes(s)}")
+        ax.plot(g, [t * 1e3 for t in tree], ls="--", marker="x", color=line.get_color(),
+                label=f"tree, {fmt_bytes(s)}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("all-reduce time (ms)")
+    ax.set_title("MODEL PREDICTION (alpha-beta model, published link speeds), not measured",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit bench allreduce [--full] [--sizes ...] [--world-sizes ...]``."""
+    p = argparse.ArgumentParser(prog="python -m labkit bench allreduce",
+                                description="all-reduce time, algbw and busbw by message size")
+    p.add_argument("--full", action="store_true", help="4 KiB..64 MiB (default 4 KiB..4 MiB)")
+    p.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--iters", type=int, help="timed runs per point")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    p.add_argument("--plot", metavar="PNG", help="save the busbw plot here")
+    a = p.parse_args(argv)
+    rows = measure(a.sizes or (FULL_SIZES if a.full else SIZES), a.world_sizes,
+                   iters=a.iters, backend=a.backend, progress=sys.stderr.isatty())
+    print(f"all-reduce of float32 tensors; time = median over runs of the slowest rank; "
+          f"busbw = algbw * 2(N-1)/N\n{table(rows)}\n")
+    r = ratios(rows)
+    if r:
+        print(f"ring / dist.all_reduce, messages >= 1 MiB on 2 ranks: "
+              f"{min(r):.2f}x .. {max(r):.2f}x (target <= 1.5x)\n")
+    for m in fit(rows):
+        print(f"alpha-beta fit, ring on {m['world_size']} ranks: alpha = {m['alpha'] * 1e6:.1f} us"
+              f"/step, 1/beta = {m['link_GBps']:.2f} GB/s, worst error {m['worst_error']:.0%}")
+    print("\n" + scale_table(at_scale()))
+    if a.plot:
+        plot(rows, fit(rows)).savefig(a.plot)
+        print(f"\nplot saved to {a.plot}")
+    return 0

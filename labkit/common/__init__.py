@@ -1,0 +1,10 @@
+"""Shared pieces below the lessons: rank helpers, models, timelines and pictures.
+
+* :mod:`~labkit.common.ranks` — ``device()``, ``checksum()`` (called inside ranks);
+* :mod:`~labkit.common.models` — the small models lessons train;
+* :mod:`~labkit.common.timeline` — spans measured inside ranks, on one time axis;
+* :mod:`~labkit.common.plots` — every picture of the lab (``lk.plots``);
+* :mod:`~labkit.common.progress` — progress bars for anything longer than a few seconds.
+
+No lesson is imported from here: lessons import these, never the other way round.
+"""

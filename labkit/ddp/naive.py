@@ -1,0 +1,106 @@
+"""DDP from scratch, the simple way: replicate, then average every gradient after backward.
+
+Notebook 02 ("Step 1 · Replicate" to "Step 6", then "Exercise 1") builds data-parallel training
+by hand in two versions, this one first and :mod:`labkit.ddp.bucketed` next, so the difference
+is the lesson:
+
+* :func:`broadcast_parameters` — step 1, every rank starts from rank 0's parameters and buffers;
+* :func:`average_gradients` — step 5, one blocking ``all_reduce`` per gradient, divided by N;
+* :class:`NaiveDDP` — both in a wrapper: every byte of communication happens after all the
+  compute.
+
+Tested against ``torch.nn.parallel.DistributedDataParallel`` and a single-process run on the
+whole batch (tests/ddp/). Works with gloo (CPU) and NCCL (tensors on ``device()``).
+
+Example (inside a rank of ``lk.run``)::
+
+    model = NaiveDDP(make_model().to(device()))
+    loss_fn(model(x), y).backward()
+    model.finish_gradient_synchronization()
+    opt.step()
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..common.ranks import require_process_group
+
+__all__ = ["broadcast_parameters", "average_gradients", "ReplicatedModule", "NaiveDDP"]
+
+
+def broadcast_parameters(module: nn.Module, src: int = 0, group=None) -> None:
+    """Step 1, replicate: copy rank ``src``'s parameters and buffers into every rank."""
+    require_process_group("broadcast_parameters")
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
+
+
+def average_gradients(module: nn.Module, group=None) -> int:
+    """Step 5 the simple way: all-reduce every gradient (sum) and divide by the world size.
+
+    Parameters without a gradient (frozen, or unused this step) are skipped; a
+    tied weight is one parameter and is reduced once. Returns the number of
+    ``all_reduce`` calls made.
+    """
+    require_process_group("average_gradients")
+    world_size = dist.get_world_size(group)
+    calls = 0
+    for p in module.parameters():           # unique parameters: tied weights appear once
+        if p.grad is None:
+            continue
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+        p.grad.div_(world_size)
+        calls += 1
+    return calls
+
+
+class ReplicatedModule(nn.Module):
+    """What both hand-written DDPs share: one replica per rank, identical from the start
+    (broadcast from rank 0), and a switch to skip synchronisation for accumulation."""
+
+    def __init__(self, module: nn.Module, group=None) -> None:
+        super().__init__()
+        require_process_group(type(self).__name__)
+        self.module, self.group = module, group
+        self.allreduce_calls = 0
+        self._sync = True
+        broadcast_parameters(module, group=group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (gradient accumulation's micro-batches): nothing is
+        communicated until the block ends."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+
+class NaiveDDP(ReplicatedModule):
+    """Data parallelism in its simplest form: broadcast once, average every gradient after backward.
+
+    Args:
+        module: the model, already on :func:`~labkit.common.ranks.device`.
+        group: process group (default: the whole world).
+
+    Call :meth:`finish_gradient_synchronization` after ``loss.backward()`` and
+    before ``optimizer.step()``. ``allreduce_calls`` counts the collectives.
+    """
+
+    def __init__(self, module: nn.Module, group=None) -> None:
+        super().__init__(module, group)
+
+    def finish_gradient_synchronization(self) -> None:
+        """All-reduce and average every gradient (skipped inside :meth:`no_sync`)."""
+        if self._sync:
+            self.allreduce_calls += average_gradients(self.module, self.group)

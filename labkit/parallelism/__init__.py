@@ -1,0 +1,16 @@
+"""Notebook 01 — data parallelism vs model parallelism, measured on real ranks.
+
+* :mod:`~labkit.parallelism.drift` — replicas drifting apart without communication (§1);
+* :mod:`~labkit.parallelism.pipeline` — one model split over two ranks, its bubble (§3);
+* :mod:`~labkit.parallelism.memory` — memory per rank from real parameter counts (§4);
+* :mod:`~labkit.parallelism.check` — the exercise checker and the quiz key.
+
+``lk.parallelism.X`` reaches the names below.
+"""
+from ..common.models import mlp
+from .drift import replica_drift
+from .memory import BYTES_PER_PARAM, gpt_like, memory_table, split_layers
+from .pipeline import pipeline
+
+__all__ = ["replica_drift", "pipeline", "mlp", "gpt_like", "split_layers", "memory_table",
+           "BYTES_PER_PARAM"]

@@ -1,0 +1,133 @@
+"""Checker for notebook 01's exercise: one training step of a model split across 2 ranks.
+
+The learner writes ``two_stage_step(rank, stage, x, target)``: rank 0 runs its
+``stage`` on ``x`` and sends the activation to rank 1; rank 1 receives it,
+runs its stage, computes ``F.mse_loss(out, target)``, calls backward and sends
+the activation's gradient back; rank 0 receives it and finishes backward.
+Rank 1 returns the loss, rank 0 returns ``None``.
+
+Each case runs on 2 real ranks and compares **both** stages' gradients (and
+the loss) with the same model run whole in one process, at every step. Rank
+1's ``x`` is filled with NaN: it must use what rank 0 sent, not its own copy.
+Short timeouts turn a missing ``send``/``recv`` (a deadlock) into a failed case
+within seconds.
+
+Example::
+
+    lk.exercise.check("01.two_stage_step", two_stage_step)
+
+The quiz key computed from the learner's own pipeline run (:func:`idle_of_rank1`) is here too.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..common.models import mlp
+from ..common.ranks import device
+from ..grading.exercise import Case, case
+from ..runtime import run
+
+__all__ = ["check_two_stage_step", "CASES", "idle_of_rank1"]
+
+CASES = (  # (name, width, batch, steps)
+    ("width 8, batch 4, 1 step", 8, 4, 1),
+    ("width 16, batch 1, 1 step", 16, 1, 1),
+    ("width 8, batch 6, 3 steps in a row", 8, 6, 3),
+)
+TIMEOUT_S = 3.0
+
+
+def _data(width: int, batch: int, steps: int, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
+            for _ in range(steps)]
+
+
+def _stages(width: int):
+    whole = mlp(width, 4, seed=3)
+    return whole, whole[:2], whole[2:]
+
+
+def _rank(rank: int, world_size: int, fn, width: int, batch: int, steps: int) -> list[dict]:
+    dev = device()
+    _, first, second = _stages(width)
+    stage = (first if rank == 0 else second).to(dev)
+    out = []
+    for x, target in _data(width, batch, steps):
+        stage.zero_grad()
+        if rank == 1:
+            x = torch.full_like(x, float("nan"))     # rank 1 must use the received activation
+        loss = fn(rank, stage, x.to(dev), target.to(dev))
+        out.append({"loss": None if loss is None else float(torch.as_tensor(loss).detach()),
+                    "grads": {n: None if p.grad is None else p.grad.detach().clone()
+                              for n, p in stage.named_parameters()}})
+    return out
+
+
+def _oracle(width: int, batch: int, steps: int) -> list[dict]:
+    whole, _, _ = _stages(width)
+    out = []
+    for x, target in _data(width, batch, steps):
+        whole.zero_grad()
+        loss = F.mse_loss(whole(x), target)
+        loss.backward()
+        out.append({"loss": loss.item(), "grads": {n: p.grad.clone()
+                                                   for n, p in whole.named_parameters()}})
+    return out
+
+
+def _test(fn, width: int, batch: int, steps: int):
+    def test():
+        res = run(_rank, 2, args=(fn, width, batch, steps), timeout=TIMEOUT_S,
+                     deadline=TIMEOUT_S + 4, echo=False)
+        for step, want in enumerate(_oracle(width, batch, steps)):
+            for rank in (1, 0):                 # rank 1's loss first: it explains the rest
+                got = res.values[rank][step]
+                if rank == 1:
+                    assert got["loss"] is not None, \
+                        f"step {step}: rank 1 returned None; it must return the loss"
+                    assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(1.0, want["loss"]), \
+                        (f"step {step}: rank 1's loss is {got['loss']:.6g}, the whole model's is "
+                         f"{want['loss']:.6g} (NaN means rank 1 used its own x instead of "
+                         f"the activation it received)")
+                for name, g in got["grads"].items():
+                    fix = "call h.backward(grad)" if rank == 0 else "call loss.backward()"
+                    assert g is not None, \
+                        f"step {step}, rank {rank}: `{name}` has no gradient: {fix}"
+                    w = want["grads"][name]
+                    assert torch.allclose(g, w, atol=1e-5, rtol=1e-4), (
+                        f"step {step}, rank {rank}: gradient of `{name}` differs from the whole "
+                        f"model's by up to {(g - w).abs().max().item():.3g}" +
+                        (" (did rank 1 send the gradient of its *input* activation?)"
+                         if rank == 0 else ""))
+        return f"both ranks match the whole model at {steps} step{'s' * (steps > 1)}"
+    return test
+
+
+def check_two_stage_step(fn) -> list[Case]:
+    """Grade ``fn(rank, stage, x, target)`` on 2 ranks against the unsplit model.
+
+    Returns one :class:`~labkit.grading.exercise.Case` per scenario in :data:`CASES`.
+    """
+    cases: list[Case] = []
+    for name, width, batch, steps in CASES:
+        c = case(name, _test(fn, width, batch, steps))
+        cases.append(c)
+        if not c.passed and "Timed out" in c.detail:     # one deadlock is enough to know
+            c.detail = (f"deadlock: a rank waited more than {TIMEOUT_S:.0f} s. Every send needs "
+                        f"a matching recv on the other rank (same size), in the same order. "
+                        f"{c.detail}")
+            cases += [Case(n, False, "not run: fix the deadlock first")
+                      for n, *_ in CASES[len(cases):]]
+            break
+    return cases
+
+
+# ------------------------------------------------------------- quiz keys (notebook 01)
+def idle_of_rank1(pipe1: dict) -> float:
+    """Quiz key (01.measured_idle): rank 1's idle fraction in the learner's 1-micro-batch run."""
+    if not isinstance(pipe1, dict) or "idle" not in pipe1:
+        raise ValueError("pipe1 must be the result of lk.parallelism.pipeline(micro_batches=1): "
+                         "run that cell first.")
+    return round(float(pipe1["idle"][1]), 3)

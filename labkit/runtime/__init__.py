@@ -1,0 +1,23 @@
+"""The runtime: running a function on N real ranks, and owning every process the lab starts.
+
+* :mod:`~labkit.runtime.launch` — :func:`run`, :func:`warmup`, :func:`shutdown` (the verbs);
+* :mod:`~labkit.runtime.pool` / :mod:`~labkit.runtime.zygote` — the notebook's and the
+  child's side of the warm-rank pool, speaking :mod:`~labkit.runtime.protocol`;
+* :mod:`~labkit.runtime.pickling` — functions to the ranks by value, values back;
+* :mod:`~labkit.runtime.result`, :mod:`~labkit.runtime.errors`, :mod:`~labkit.runtime.stacks`
+  — what a job hands back, the errors that name the rank, where a hung rank is stuck;
+* :mod:`~labkit.runtime.procs` — free ports, parent-death signals, killing and reaping
+  (also used by the grader's kernels and the torchrun launcher).
+
+Nothing here imports torch in the notebook's process.
+"""
+from .errors import (BackendUnavailable, InvalidJob, JobFailed, JobTimeout, LabkitError,
+                     RankCrashed, RankError, RemoteTraceback, ResultNotPicklable,
+                     UnsupportedPlatform)
+from .launch import MAX_WORLD_SIZE, check_platform, managed_pids, run, shutdown, warmup
+from .result import JobResult, RankResult
+
+__all__ = ["run", "warmup", "shutdown", "managed_pids", "check_platform", "MAX_WORLD_SIZE",
+           "JobResult", "RankResult", "LabkitError", "InvalidJob", "UnsupportedPlatform",
+           "BackendUnavailable", "JobFailed", "RankError", "ResultNotPicklable", "RankCrashed",
+           "JobTimeout", "RemoteTraceback"]

@@ -1,0 +1,276 @@
+"""Parent-side handles on the zygote and on a pool of warm ranks (used by :mod:`labkit.runtime.launch`).
+
+A :class:`Zygote` is one ``python -m labkit.runtime.zygote`` process per job
+environment. A :class:`Pool` is ``world_size`` ranks forked from it with a
+process group initialised; :meth:`Pool.run_job` sends one job to every rank
+and collects what each one did — returned, raised, died, or hung (then its
+stack is dumped) — into a :class:`~labkit.runtime.result.JobResult`.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+
+from .errors import LabkitError
+from .pickling import ValueNotLoadable, load_value, with_sources
+from .procs import signal_all
+from .protocol import EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec
+from .result import JobResult, RankResult
+from .stacks import parse_stack, where_stuck
+
+_GRACE_S = 1.5       # after a first failure, how long the others get to report
+_START_S = 120.0     # zygote import + rank start-up, on a loaded 2-core machine
+_REAP_S = 3.0        # how long a killed rank may take to be reaped
+
+
+class Zygote:
+    """A preloaded process (torch imported) that forks ranks on request."""
+
+    def __init__(self, env: dict, tmp: str):
+        self.env = env
+        self.exits: dict[int, int] = {}          # pid -> wait status, reported by the zygote
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = os.path.join(tmp, f"zygote-{len(os.listdir(tmp))}.log")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "labkit.runtime.zygote", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=log, start_new_session=True)  # kernel interrupts miss ranks
+        theirs.close()
+        # Reap it the moment it exits (idle, or killed), so no zombie waits for the next job.
+        threading.Thread(target=self.proc.wait, daemon=True, name="labkit-reaper").start()
+        self.gpus: int | None = None             # known once the zygote says hello
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _recv(self, timeout: float):
+        """One message (and any file descriptors) or None on timeout; EOF raises."""
+        if self.sock.fileno() < 0:
+            raise LabkitError("the rank launcher (zygote) was closed")
+        if not wait([self.sock], timeout):
+            return None
+        data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 64)
+        if not data:
+            raise LabkitError(f"the rank launcher (zygote) died: {self.log_tail()}")
+        msg = pickle.loads(data)
+        if msg[0] == EXIT:
+            self.exits[msg[1]] = msg[2]
+        return msg, fds
+
+    def drain(self) -> None:
+        """Record the exit reports that have arrived, without waiting."""
+        while self._recv(0) is not None:
+            pass
+
+    def gpu_count(self) -> int:
+        """Wait until the zygote is ready (torch imported) and return its GPU count."""
+        deadline = time.monotonic() + _START_S
+        while self.gpus is None:
+            got = self._recv(max(0.0, deadline - time.monotonic()))
+            if got is None:
+                raise LabkitError(f"the rank launcher did not start in {_START_S:.0f} s")
+            if got[0][0] == HELLO:
+                self.gpus = got[0][2]
+        return self.gpus
+
+    def fork(self, spec: PoolSpec) -> tuple[list[int], list[Connection]]:
+        deadline = time.monotonic() + _START_S
+        self.gpu_count()
+        self.sock.send(pickle.dumps((FORK, spec)))
+        while True:
+            got = self._recv(max(0.0, deadline - time.monotonic()))
+            if got is None:
+                raise LabkitError("the rank launcher did not fork the ranks")
+            if got[0][0] == FORKED:
+                return got[0][1], [Connection(fd) for fd in got[1]]
+
+    def wait_exits(self, pids, timeout: float = _REAP_S) -> None:
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p not in self.exits for p in pids) and time.monotonic() < deadline:
+                self._recv(deadline - time.monotonic())
+        except LabkitError:
+            pass  # the zygote died: its ranks died with it (PR_SET_PDEATHSIG)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            with open(self.log, errors="replace") as f:
+                return f.read()[-n:].strip() or "(no output)"
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        self.sock.close()                      # EOF: the zygote kills its ranks and exits
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Pool:
+    """``world_size`` warm ranks with a process group, forked from one zygote."""
+
+    def __init__(self, zygote: Zygote, spec: PoolSpec, tmp: str):
+        self.zygote, self.spec, self.healthy = zygote, spec, True
+        self.dir = os.path.join(tmp, f"pool-{time.monotonic_ns()}")
+        os.makedirs(self.dir)
+        self.pids, self.conns = zygote.fork(spec.with_dir(self.dir))
+        self.jobs, self.last_used = 0, time.monotonic()
+        try:
+            self._rendezvous(min(_START_S, max(30.0, spec.timeout)))
+        except BaseException:
+            self.kill()
+            raise
+
+    def _rendezvous(self, limit: float) -> None:
+        port = self._expect(0, PORT, limit)
+        for conn in self.conns[1:]:
+            conn.send((PORT, port))
+        for rank in range(len(self.conns)):
+            self._expect(rank, READY, limit)
+
+    def _expect(self, rank: int, kind: str, limit: float):
+        conn = self.conns[rank]
+        try:
+            if conn.poll(limit):
+                msg = conn.recv()
+                if msg[0] == kind:
+                    return msg[1]
+        except (EOFError, OSError):
+            pass
+        self.zygote.wait_exits([self.pids[rank]], 1.0)
+        raise LabkitError(
+            f"rank {rank} of {len(self.conns)} failed to start its process group "
+            f"({self.spec.backend}): {self.zygote.log_tail()}")
+
+    def reusable(self, zygote: Zygote, spec: PoolSpec) -> bool:
+        try:
+            self.zygote.drain()
+        except LabkitError:  # the launcher went away (idle timeout): so did the ranks
+            return False
+        fresh_enough = time.monotonic() - self.last_used < spec.idle_timeout - 5
+        return (zygote is self.zygote and spec == self.spec and self.healthy and fresh_enough
+                and not any(p in self.zygote.exits for p in self.pids))
+
+    def run_job(self, payload: bytes, deadline: float) -> JobResult:
+        self.jobs += 1
+        n = len(self.conns)
+        files = [(os.path.join(self.dir, f"job{self.jobs}-rank{r}.out"),
+                  os.path.join(self.dir, f"job{self.jobs}-rank{r}.err")) for r in range(n)]
+        ranks = [RankResult(rank=r, pid=self.pids[r]) for r in range(n)]
+        pending, died = set(range(n)), set()
+        job = dict(payload=payload, cwd=os.getcwd(), sys_path=list(sys.path))
+        for r, conn in enumerate(self.conns):
+            try:
+                conn.send((JOB, dict(job, stdout=files[r][0], stderr=files[r][1])))
+            except OSError:
+                pass  # a dead rank: its EOF is read below
+        end = time.monotonic() + deadline
+        first_fail = None
+        while pending:
+            limit = end if first_fail is None else min(end, first_fail + _GRACE_S)
+            ready = wait([self.conns[r] for r in pending] + [self.zygote.sock],
+                         max(0.0, limit - time.monotonic()))
+            if not ready:
+                break
+            for r in [r for r in pending if self.conns[r] in ready]:
+                try:
+                    _, report = self.conns[r].recv()
+                    _fill(ranks[r], report)
+                    self.healthy &= report.get("pg_alive", True)
+                except (EOFError, OSError):
+                    died.add(r)
+                    ranks[r].t_fail = time.time()
+                pending.discard(r)
+                if not ranks[r].ok and first_fail is None:
+                    first_fail = time.monotonic()
+            if self.zygote.sock in ready:
+                self.zygote.drain()
+        for r in pending:  # still running: find out where before they go
+            ranks[r].stack = self._dump_stack(r)
+            ranks[r].where = where_stuck(parse_stack(ranks[r].stack))
+        failed = bool(pending or died or first_fail is not None)
+        if failed:
+            self.kill(keep_files=True)
+        for r in died:
+            _fill_exit(ranks[r], self.zygote.exits.get(self.pids[r]))
+        for r, (out, err) in enumerate(files):
+            ranks[r].stdout, ranks[r].stderr = _read(out), _read(err)
+        if failed:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.last_used = time.monotonic()
+        return JobResult(world_size=n, backend=self.spec.backend, ranks=ranks)
+
+    def _dump_stack(self, rank: int) -> str:
+        path = os.path.join(self.dir, f"rank{rank}.stack")
+        open(path, "w").close()
+        try:
+            os.kill(self.pids[rank], signal.SIGUSR1)
+        except ProcessLookupError:
+            return ""
+        end, last = time.monotonic() + 1.0, -1
+        while time.monotonic() < end:  # faulthandler writes from the signal handler
+            time.sleep(0.02)
+            size = os.path.getsize(path)
+            if size and size == last:
+                break
+            last = size
+        return _read(path)
+
+    def kill(self, keep_files: bool = False) -> None:
+        """SIGKILL every rank and wait until the zygote has reaped them all."""
+        self.healthy = False
+        signal_all(self.pids, signal.SIGKILL)
+        for conn in self.conns:
+            conn.close()
+        self.zygote.wait_exits(self.pids)
+        if not keep_files:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+    finally:
+        if path.endswith((".out", ".err")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _fill(rank: RankResult, report: dict) -> None:
+    rank.status, rank.wall_s = report["status"], report.get("wall_s")
+    if rank.status == "ok":
+        try:
+            rank.value = load_value(report["value"], report.get("value_type"))
+            return
+        except ValueNotLoadable as exc:  # pickled in the rank, not loadable here
+            cause = exc.__cause__
+            report = {"status": "unpicklable", "error": str(exc), "t_fail": time.time(),
+                      "traceback": "".join(traceback.format_exception(cause)) if cause else ""}
+            rank.status = "unpicklable"
+    rank.error, rank.t_fail = report.get("error"), report.get("t_fail")
+    rank.traceback = with_sources(report.get("traceback") or "")
+
+
+def _fill_exit(rank: RankResult, status: int | None) -> None:
+    code = None if status is None else os.waitstatus_to_exitcode(status)
+    if code is not None and code < 0:
+        rank.status, rank.signal = "signaled", signal.Signals(-code).name
+    else:
+        rank.status, rank.exitcode = "exited", code

@@ -1,0 +1,46 @@
+"""The messages between the notebook, the zygote and the ranks, and the spec of a pool.
+
+Both ends import their vocabulary from here (:mod:`labkit.runtime.pool` is the notebook's side,
+:mod:`labkit.runtime.zygote` the child side), so a kind of message is spelt once.
+
+Notebook ↔ zygote (a SOCK_SEQPACKET socket; rank sockets travel with SCM_RIGHTS)::
+
+    zygote → notebook   (HELLO, pid, gpu_count)        torch imported, ready to fork
+    notebook → zygote   (FORK, PoolSpec)               fork world_size ranks
+    zygote → notebook   (FORKED, [pid, ...]) + fds     one socket per rank
+    zygote → notebook   (EXIT, pid, wait_status)       a rank was reaped
+
+Notebook ↔ rank r (a socket pair, multiprocessing Connection framing)::
+
+    rank 0 → notebook   (PORT, port)                   rank 0's TCPStore listens here
+    notebook → rank r   (PORT, port)                   for r > 0
+    rank → notebook     (READY, pid)                   process group initialised
+    notebook → rank     (JOB, {payload, cwd, sys_path, stdout, stderr})
+    rank → notebook     (DONE, report)                 see labkit.runtime.zygote
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["HELLO", "FORK", "FORKED", "EXIT", "PORT", "READY", "JOB", "DONE", "PoolSpec"]
+
+HELLO, FORK, FORKED, EXIT = "hello", "fork", "forked", "exit"
+PORT, READY, JOB, DONE = "port", "ready", "job", "done"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What a pool of warm ranks is: two jobs with equal specs (and env) share one pool."""
+
+    world_size: int
+    backend: str
+    timeout: float
+    threads: int
+    idle_timeout: float
+    dir: str = ""          # the pool's folder of per-job output files (set by the pool)
+
+    def with_dir(self, path: str) -> "PoolSpec":
+        return PoolSpec(**{**asdict(self), "dir": path})
+
+    def as_dict(self) -> dict:
+        return asdict(self)

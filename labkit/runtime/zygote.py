@@ -1,0 +1,247 @@
+"""The child side of the runner: a preloaded "zygote" that forks ranks, and the rank loop.
+
+Why a zygote: importing torch takes over a second, and four ranks importing it
+at once on two cores take several. The zygote is started once per kernel
+(``python -m labkit.runtime.zygote FD``), imports torch *before* any thread pool or
+CUDA context exists, and then forks ranks on request in milliseconds. Each
+rank initialises a real process group (TCPStore on a free port chosen by the
+OS, then gloo or NCCL) and waits for jobs, so repeated jobs cost a few
+milliseconds. The kernel talks to the zygote over a SOCK_SEQPACKET socket and
+to each rank over its own socket, handed over with SCM_RIGHTS.
+
+Nothing here is public; :mod:`labkit.runtime.pool` is the parent side, and
+:mod:`labkit.runtime.protocol` spells the messages both sides exchange.
+"""
+from __future__ import annotations
+
+import faulthandler
+import io
+import os
+import pickle
+import random
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+from .procs import die_with_parent, signal_all
+from .protocol import DONE, EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec
+
+
+def _send(sock: socket.socket, msg, fds=()) -> None:
+    socket.send_fds(sock, [pickle.dumps(msg)], list(fds))
+
+
+# --------------------------------------------------------------------- zygote
+def zygote_main(fd: int) -> None:
+    ctrl = socket.socket(fileno=fd)
+    os.environ["LABKIT_RANK_PROCESS"] = "1"  # labkit imported in a rank never prestarts a zygote
+    import cloudpickle  # noqa: F401  (preload: everything a rank needs)
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn  # noqa: F401
+    import torch.optim  # noqa: F401
+    idle_s = float(os.environ.get("LABKIT_IDLE_TIMEOUT", "600"))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set[int] = set()
+    _send(ctrl, (HELLO, os.getpid(), _probe_gpus()))
+    preloaded = False
+    while True:
+        ready, _, _ = select.select([ctrl, wake_r], [], [], idle_s if preloaded else 0.25)
+        if not ready and not preloaded:
+            # First idle moment: preload torch._dynamo, which DistributedDataParallel and the
+            # first torch.optim step import (~1 s of CPU in every fresh rank otherwise). Not
+            # before "hello": a job asked for at once should not wait for it.
+            import torch._dynamo  # noqa: F401
+            preloaded = True
+            continue
+        if not ready and not children:
+            break  # idle: the kernel starts a new zygote when it needs one
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        _reap(ctrl, children)
+        if ctrl not in ready:
+            continue
+        data = ctrl.recv(1 << 16)
+        if not data:  # the kernel is gone: take every rank with us
+            break
+        msg = pickle.loads(data)
+        if msg[0] == FORK:
+            conns, pids = _fork_ranks(msg[1], ctrl, wake_r, wake_w)
+            children.update(pids)
+            _send(ctrl, (FORKED, pids), [c.fileno() for c in conns])
+            for c in conns:
+                c.close()
+        elif msg[0] == EXIT:
+            break
+    signal_all(children, signal.SIGKILL)
+    os._exit(0)
+
+
+def _probe_gpus() -> int:
+    """Count GPUs in a throwaway child: CUDA initialised here would break every later fork."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import torch
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            os.write(w, str(n).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return int(out or 0)
+
+
+def _reap(ctrl: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        try:
+            _send(ctrl, (EXIT, pid, status))
+        except OSError:
+            pass
+
+
+def _fork_ranks(spec: PoolSpec, ctrl, wake_r: int, wake_w: int):
+    mine, pids = [], []
+    for rank in range(spec.world_size):
+        parent_end, child_end = socket.socketpair()
+        mine.append(parent_end)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for s in [ctrl, *mine]:
+                    s.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                die_with_parent()  # not Linux: the socket EOF checks still apply
+                rank_main(Connection(child_end.detach()), rank, spec)
+            finally:
+                os._exit(70)  # rank_main never returns; this is a last resort
+        child_end.close()
+        pids.append(pid)
+    return mine, pids
+
+
+# ----------------------------------------------------------------------- rank
+def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
+    import torch
+    import torch.distributed as dist
+
+    world_size, timeout = spec.world_size, timedelta(seconds=spec.timeout)
+    # Write-through streams: output survives os._exit and interleaves with C++ logs.
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0, closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0, closefd=False), write_through=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # SIGSEGV/SIGABRT: stack in stderr
+    stack_file = open(os.path.join(spec.dir, f"rank{rank}.stack"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    torch.set_num_threads(spec.threads)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout, wait_for_workers=False)
+        conn.send((PORT, store.port))
+    else:
+        store = dist.TCPStore("127.0.0.1", conn.recv()[1], world_size, False, timeout)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(store.port))
+    if spec.backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(spec.backend, store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    conn.send((READY, os.getpid()))
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    while conn.poll(spec.idle_timeout):
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg[0] != JOB:
+            break
+        report = _run_job(msg[1], rank, world_size, devnull)
+        report["pg_alive"] = dist.is_initialized()
+        torch.set_num_threads(spec.threads)
+        conn.send((DONE, report))
+        if report["status"] != "ok":
+            # Leave like a failed rank under torchrun: peers blocked in a collective
+            # see the connection close at once instead of waiting for the timeout.
+            os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _run_job(job: dict, rank: int, world_size: int, devnull: int) -> dict:
+    import cloudpickle
+    import torch
+
+    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(out, fd)
+        os.close(out)
+    os.chdir(job["cwd"])
+    sys.path[:] = job["sys_path"]
+    torch.seed()  # like a fresh process: forked ranks would otherwise share one RNG state
+    random.seed()
+    report: dict = {"status": "ok"}
+    t0 = time.perf_counter()
+    try:
+        fn, args, kwargs = cloudpickle.loads(job["payload"])
+        value = fn(rank, world_size, *args, **kwargs)
+    except SystemExit as exc:  # sys.exit() in a rank ends that rank, as it would under torchrun
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        os._exit(code)
+    except BaseException as exc:  # noqa: BLE001 - the notebook decides what to do with it
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)  # user frames
+        report.update(status="raised", error=f"{type(exc).__name__}: {exc}",
+                      exc_type=type(exc).__name__, t_fail=time.time(), traceback="".join(tb))
+    report["wall_s"] = time.perf_counter() - t0
+    if report["status"] == "ok":
+        try:
+            report["value"] = cloudpickle.dumps(_to_cpu(value))
+            report["value_type"] = f"{type(value).__module__}.{type(value).__qualname__}"
+        except Exception as exc:  # noqa: BLE001
+            report.update(status="unpicklable", exc_type=type(exc).__name__,
+                          error=f"returned a {type(value).__module__}.{type(value).__qualname__}"
+                                f" that cannot be pickled ({type(exc).__name__}: {exc})",
+                          traceback=traceback.format_exc(), t_fail=time.time())
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    return report
+
+
+def _to_cpu(value):
+    """Detach tensors and move them to the CPU so the notebook never touches CUDA."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):  # .copy() keeps OrderedDict (state_dict) and defaultdict
+        out = value.copy()
+        for k, v in value.items():
+            out[k] = _to_cpu(v)
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+if __name__ == "__main__":
+    zygote_main(int(sys.argv[1]))

@@ -1,0 +1,176 @@
+"""The checker of notebook 05's exercise, its oracle, and the lesson's quiz key.
+
+The exercise: turn a single-process training function into the ``main()`` of a torchrun DDP
+script. :func:`check_torchrun_exercise` (the bank's checker) launches the learner's
+``train_ddp(epochs, batch_size, lr)`` with ``torchrun --nproc-per-node=2``
+(:func:`labkit.runtime.torchrun_function.run_function`) and compares every rank with an oracle:
+one process training on the global batch, visiting the samples in
+``DistributedSampler(shuffle=True, seed=0)`` order. A wrong answer is diagnosed against the
+usual mistakes (no ``set_epoch``, the global batch on every rank, a scaled learning rate, no
+DDP wrap). :func:`reference` is the uninterrupted run a restarted one is compared with.
+"""
+from __future__ import annotations
+
+from ..grading.exercise import case
+from ..runtime import run
+from ..runtime.torchrun import TorchrunTimeout
+from ..runtime.torchrun_function import run_function
+from ..runtime.torchrun_log import Run
+from .runs import resumes
+from .train import make_dataset, make_model, parse_args, train
+
+__all__ = ["check_torchrun_exercise", "oracle", "reference", "last_resume_step",
+           "EXERCISE_KWARGS"]
+
+EXERCISE_KWARGS = {"epochs": 2, "batch_size": 32, "lr": 0.1}   # what the checker passes
+
+
+def oracle(epochs: int = 2, batch_size: int = 32, lr: float = 0.1, *, set_epoch: bool = True,
+           momentum: float = 0.9) -> dict:
+    """Final parameters of one process training on the global batch in DistributedSampler order.
+
+    What a correct ``train_ddp(epochs, batch_size, lr)`` on any number of ranks
+    must end with (up to float rounding): DDP averages the ranks' gradients, and
+    the ranks' shards of step k together are exactly global batch k.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DistributedSampler
+
+    data = make_dataset()
+    x, y = data.tensors
+    model = make_model(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    for epoch in range(epochs):
+        order.set_epoch(epoch if set_epoch else 0)
+        idx = torch.tensor(list(order))
+        for k in range(0, len(idx), batch_size):
+            b = idx[k:k + batch_size]
+            loss = F.cross_entropy(model(x[b]), y[b])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _max_diff(a: dict, b: dict) -> tuple[float, str]:
+    import torch
+
+    diffs = [((a[k].float() - b[k].float()).abs().max().item(), k) for k in b
+             if k in a and isinstance(a[k], torch.Tensor) and a[k].shape == b[k].shape]
+    if len(diffs) != len(b):
+        return float("inf"), next((k for k in b if k not in a), "shapes")
+    return max(diffs)
+
+
+_MISTAKES = [  # (what the learner probably did: oracle kwargs, why)
+    (lambda kw, w: {**kw, "set_epoch": False},
+     "every epoch repeats epoch 0's order: call sampler.set_epoch(epoch) at the start of each epoch"),
+    (lambda kw, w: {**kw, "batch_size": kw["batch_size"] * w},
+     "each rank used the whole batch_size, so the global batch grew world_size times: give the "
+     "DataLoader batch_size // world_size"),
+    (lambda kw, w: {**kw, "lr": kw["lr"] * w},
+     "the learning rate was multiplied by the world size: DDP already averages the gradients, "
+     "keep lr as it is"),
+]
+
+
+def check_torchrun_exercise(fn) -> list:
+    """Checker for ``05.train_ddp``: launch ``fn`` with torchrun on 2 ranks and grade every rank."""
+    code = getattr(fn, "__code__", None)
+    if code is not None and set(code.co_names) == {"NotImplementedError"}:
+        raise NotImplementedError(f"{fn.__name__} is still the stub")
+    kw, world = EXERCISE_KWARGS, 2
+    try:
+        res = run_function(fn, kwargs=kw, nproc_per_node=world, timeout=60, echo=False,
+                           env={"CUDA_VISIBLE_DEVICES": ""}, check=False)
+    except TorchrunTimeout:
+        res = None
+    if res is not None and any(r.get("not_done") for r in res.reports):
+        raise NotImplementedError(f"{fn.__name__} still raises NotImplementedError")
+    reports = res.reports if res else []
+    values = [r.get("value") for r in reports]
+    kwtext = ", ".join(f"{k}={v}" for k, v in kw.items())
+
+    def runs():
+        assert res is not None, ("it did not finish within 60 s under torchrun: a deadlock? (a "
+                                 "collective that only some ranks call, or init_process_group "
+                                 "waiting for ranks that never come)")
+        for r in reports:
+            assert r.get("error") is None, (f"rank {r['rank']} failed: "
+                                            f"{r['error'].strip().splitlines()[-1]}")
+        for r in reports:
+            v = r.get("value")
+            assert isinstance(v, dict) and v, (f"rank {r['rank']} returned {type(v).__name__}, "
+                                               f"not the model's state_dict(): return "
+                                               f"model.module.state_dict() on every rank")
+        return f"torchrun --nproc-per-node={world}, train_ddp({kwtext}), both ranks exit 0"
+
+    def same():
+        runs()
+        d, name = _max_diff(values[0], values[1])
+        assert d == 0.0, (f"rank 0 and rank 1 ended with different parameters (max |diff| "
+                          f"{d:.2e} in {name}): their gradients were never averaged. Wrap the "
+                          f"model: model = DistributedDataParallel(model)")
+
+    def matches():
+        runs()
+        want = oracle(**kw)
+        d, name = _max_diff(values[0], want)
+        if d <= 1e-5:
+            return f"max |diff| from one process on the global batch: {d:.1e}"
+        for mistake, why in _MISTAKES:
+            if _max_diff(values[0], oracle(**mistake(kw, world)))[0] <= 1e-5:
+                raise AssertionError(f"the parameters are off (max |diff| {d:.2e} in {name}): {why}")
+        raise AssertionError(
+            f"the parameters differ from one process training on the global batch (max |diff| "
+            f"{d:.2e} in {name}). Check: lk.train.make_model(dropout=0.0) and make_dataset(); "
+            f"DistributedSampler(data, shuffle=True, seed=0) with set_epoch(epoch); per-rank "
+            f"batch batch_size // world_size; SGD(lr, momentum=0.9); mean cross-entropy loss")
+
+    def destroyed():
+        runs()
+        left = [r["rank"] for r in reports if r.get("pg_left")]
+        assert not left, (f"rank(s) {left} returned with the process group still initialised: "
+                          f"call dist.destroy_process_group() in a finally: block")
+
+    def quiet():
+        runs()
+        noisy = [r for r in reports if r["rank"] != 0 and r.get("stdout", "").strip()]
+        assert not noisy, (f"rank {noisy[0]['rank']} printed "
+                           f"{noisy[0]['stdout'].strip().splitlines()[0]!r}: log only on rank 0 "
+                           f"(if rank == 0: print(...))")
+
+    return [case("runs under torchrun on 2 ranks", runs),
+            case("every rank ends with the same parameters", same),
+            case("equals one process on the global batch", matches),
+            case("destroys the process group", destroyed),
+            case("only rank 0 prints", quiet)]
+
+
+# ---------------------------------------------------------------- the reference run
+def _train_in_rank(rank: int, world_size: int, argv: list[str]) -> dict:
+    return train(parse_args(argv))
+
+
+def reference(argv: list[str], world_size: int = 2) -> dict:
+    """Final parameters of an uninterrupted run on ``world_size`` warm lab ranks (``lk.run``).
+
+    The comparison point for a restarted torchrun run: same options, same world
+    size, no fault, no snapshots. Example::
+
+        ref = lk.torchrun.reference(["--epochs", "2"], world_size=2)
+    """
+    argv = list(argv) + ["--snapshot-dir", "", "--log-every", "1000000"]
+    return run(_train_in_rank, world_size, args=(argv,), echo=False).values[0]
+
+
+# ---------------------------------------------------------------- quiz key (notebook 05)
+def last_resume_step(run: Run) -> int:
+    """Quiz key (05.resume_step): the step the last restarted attempt of ``run`` resumed from."""
+    if not isinstance(run, Run) or not resumes(run):
+        raise ValueError("`run` has no resumed attempt: run the crash-and-kill cells first")
+    return resumes(run)[-1]
+
+

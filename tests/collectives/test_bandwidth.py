@@ -1,0 +1,93 @@
+"""All-reduce benchmark and α–β model (labkit.collectives.bandwidth): timings printed, never asserted."""
+from __future__ import annotations
+
+import pytest
+
+from labkit.collectives import bandwidth as bw
+
+MiB = 2 ** 20
+
+
+def test_model_formulas():
+    a, b, s = 1e-5, 1e-9, 8 * MiB
+    assert bw.predict(a, b, s, 2) == pytest.approx(2 * a + s * b)          # ring, N=2
+    assert bw.predict(a, b, s, 4) == pytest.approx(6 * a + 1.5 * s * b)    # 2(N-1)/N = 1.5
+    assert bw.predict(a, b, s, 4, "naive") == pytest.approx(6 * a + 6 * s * b)
+    assert bw.predict(a, b, s, 1024, "tree") == pytest.approx(20 * a + 2 * s * b)
+    with pytest.raises(ValueError, match="'ring', 'naive' or 'tree'"):
+        bw.predict(a, b, s, 4, "star")
+
+
+def _rows(alpha, beta, n, impl="ring", noise=1.0):
+    out = []
+    for k, s in enumerate([4096, 65536, MiB, 4 * MiB]):
+        t = bw.predict(alpha, beta, s, n, impl) * (noise if k % 2 else 1.0)
+        out.append(dict(world_size=n, impl=impl, bytes=s, time_s=t, algbw=s / t / 1e9,
+                        busbw=s / t / 1e9 * 2 * (n - 1) / n))
+    return out
+
+
+def test_fit_recovers_alpha_and_beta():
+    rows = _rows(3e-4, 1 / 1.2e9, 2) + _rows(1e-3, 1 / 2e9, 4)
+    m2, m4 = bw.fit(rows)
+    assert (m2["world_size"], m4["world_size"]) == (2, 4)
+    assert m2["alpha"] == pytest.approx(3e-4, rel=1e-6)
+    assert m2["link_GBps"] == pytest.approx(1.2, rel=1e-6)
+    assert m4["alpha"] == pytest.approx(1e-3, rel=1e-6) and m4["worst_error"] < 1e-9
+    noisy = bw.fit(_rows(3e-4, 1 / 1.2e9, 2, noise=1.3))[0]
+    assert 0.05 < noisy["worst_error"] < 0.3                  # the error is reported, not hidden
+    with pytest.raises(ValueError, match="at least 2 message sizes"):
+        bw.fit(_rows(3e-4, 1e-9, 2)[:1])
+
+
+def test_at_scale_is_labelled_and_shows_the_ring_latency_wall():
+    rows = bw.at_scale(gpus=(8, 1024), sizes=(MiB, 2 ** 30))
+    small = {r["gpus"]: r for r in rows if r["bytes"] == MiB}
+    assert "NVLink" in small[8]["link"] and "InfiniBand" in small[1024]["link"]
+    assert small[1024]["ring_s"] > 10 * small[1024]["tree_s"]          # 2(N-1)α vs 2·log2(N)·α
+    big = {r["gpus"]: r for r in rows if r["bytes"] == 2 ** 30}
+    assert big[1024]["ring_s"] == pytest.approx(
+        2 * 1023 * 5e-6 + 2 * 1023 / 1024 * 2 ** 30 / 50e9)
+    assert bw.scale_table(rows).startswith("MODEL PREDICTION")
+
+
+def test_table_ratios_and_sizes():
+    rows = [dict(world_size=2, impl=i, bytes=s, time_s=t, algbw=s / t / 1e9, busbw=s / t / 1e9)
+            for i, s, t in [("dist.all_reduce", MiB, 1e-3), ("ring", MiB, 1.5e-3),
+                            ("dist.all_reduce", 4096, 1e-4), ("ring", 4096, 5e-4)]]
+    text = bw.table(rows)
+    assert "x dist" in text and "1.50" in text and "1 MiB" in text
+    assert bw.ratios(rows) == [1.5]                        # only messages >= 1 MiB
+    assert [bw.fmt_bytes(x) for x in (512, 4096, 3 * MiB, 2 ** 30)] == \
+        ["512 B", "4 KiB", "3 MiB", "1 GiB"]
+    assert bw.FULL_SIZES[0] == 4096 and bw.FULL_SIZES[-1] == 64 * MiB
+
+
+def test_measure_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="impls must come from"):
+        bw.measure(impls=("ring", "tree"), progress=False)
+    with pytest.raises(ValueError, match=">= 4"):
+        bw.measure(sizes=[2], progress=False)
+
+
+@pytest.mark.timeout(120)
+def test_measure_runs_every_impl_and_reports_busbw():
+    rows = bw.measure(sizes=[4096, 65536], world_sizes=(3,), iters=2, backend="gloo",
+                      progress=False)
+    assert [(r["impl"], r["bytes"]) for r in rows] == [
+        (i, s) for s in (4096, 65536) for i in bw.IMPLS]
+    for r in rows:
+        assert r["time_s"] > 0 and r["runs"] == 2
+        assert r["algbw"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
+        assert r["busbw"] == pytest.approx(r["algbw"] * 4 / 3)
+    fig = bw.plot(rows, bw.fit(rows))
+    assert len(fig.axes) == 1 and len(fig.axes[0].lines) == 4     # 3 measured + 1 model line
+
+
+@pytest.mark.timeout(120)
+def test_cli_prints_the_table_and_the_labelled_prediction(capsys):
+    assert bw.main(["--sizes", "4096", "1048576", "--world-sizes", "2", "--iters", "2",
+                   "--backend", "gloo"]) == 0
+    out = capsys.readouterr().out
+    assert "busbw GB/s" in out and "ring / dist.all_reduce" in out
+    assert "alpha-beta fit, ring on 2 ranks" in out and "MODEL PREDICTION" in out

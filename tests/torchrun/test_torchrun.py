@@ -1,0 +1,355 @@
+"""Real torchrun jobs: crash and SIGKILL -> restart -> resume bit for bit, two agents, @record, cleanup.
+
+Every job here is small (2 workers, 1 thread each) and every test ends with no
+process of any torchrun job left alive.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+import torch
+
+import labkit as lk
+from conftest import zombies
+from labkit.torchrun import runs
+from labkit.runtime.torchrun_function import FunctionRun
+from labkit.torchrun import check as TC
+from labkit.torchrun import train as T
+from labkit.runtime.torchrun_log import parse_agent
+from labkit.runtime.torchrun import (TorchrunError, TorchrunTimeout, command, launch,
+                                     live_processes, run)
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+TRAIN = ["--log-every", "4", "--snapshot-every", "8"]
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    end = time.monotonic() + 5
+    while live_processes() and time.monotonic() < end:
+        time.sleep(0.1)
+    assert live_processes() == [], f"torchrun processes left: {live_processes()}"
+    assert zombies() == [], f"unreaped children: {zombies()}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The uninterrupted run, on 2 warm lab ranks (lk.run): what every torchrun run must equal."""
+    return TC.reference(TRAIN, world_size=2)
+
+
+# ------------------------------------------------------------------ pure logic
+def test_command_line():
+    cmd = command("labkit.torchrun.train", ["--epochs", 1], nproc_per_node=2, max_restarts=2)
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--max-restarts=2" in cmd and cmd[-4:] == ["-m", "labkit.torchrun.train", "--epochs", "1"]
+    two = command("x.py", nnodes=2, rdzv_endpoint="127.0.0.1:1234", rdzv_id="j")
+    assert "--standalone" not in two and "--rdzv-endpoint=127.0.0.1:1234" in two
+    assert "--rdzv-backend=c10d" in two and two[-1] == "x.py"
+
+
+def test_parse_agent_lines():
+    state: dict = {}
+    glog = ("I1130 08:16:36.287000 13090 torch/distributed/elastic/agent/server/api.py:942] "
+            "[default] Worker group FAILED. 2/2 attempts left; will restart worker group")
+    ln = parse_agent(glog, 0, 1.0, state)
+    assert (ln.source, ln.level, ln.key) == ("agent", "I", True)
+    assert ln.text.startswith("[default] Worker group FAILED")
+    noise = parse_agent("I1130 08:16:36.6 1 torch/x.py:1]   role_ranks=[0, 1]", 0, 1.0, state)
+    assert not noise.key
+    for raw in ("I1130 08:16:36.6 1 torch/x.py:1]   local_ranks=[0]",
+                "I1130 08:16:36.6 1 torch/x.py:1]   global_ranks=[1]"):
+        parse_agent(raw, 1, 1.0, state, nnodes=2)
+    rank = parse_agent("[default0]:[rank1]: boom", 1, 2.0, state, nnodes=2)
+    assert (rank.source, rank.rank, rank.local_rank, rank.text) == ("rank", 1, 0, " boom")
+    assert "rank 1" in rank.format()
+
+
+# -------------------------------------------------------------- fault tolerance
+def test_crash_and_sigkill_restart_and_resume_bit_for_bit(tmp_path, reference):
+    """Attempt 0: rank 1 raises at step 20. Attempt 1: we SIGKILL rank 0. Attempt 2 finishes."""
+    job = launch("labkit.torchrun.train", TRAIN + ["--snapshot-dir", str(tmp_path), "--crash-rank", "1",
+                                          "--crash-at-step", "20", "--step-delay", "0.02"],
+                 nproc_per_node=2, max_restarts=2, echo=False)
+    assert job.follow(until="resumed from", timeout=120) is not None
+    line = job.follow(until=lambda ln: any(s >= 32 for s, _, _ in T.parse_log([ln.text])),
+                      timeout=60)
+    assert line is not None, job.wait().tail()
+    assert job.workers()[0].environ()["TORCHELASTIC_RESTART_COUNT"] == "1"
+    pid = job.kill(0)
+    result = job.wait(120)
+    assert result.ok, result.tail(30)
+    assert (result.attempts, result.restarts) == (3, 2)
+    fails = [(f["local_rank"], f["exitcode"]) for f in result.failures]
+    assert fails[0] == (1, 1)                   # the injected fault
+    # The agent names the failure with the earliest timestamp, in whole seconds: usually the
+    # SIGKILLed rank 0, sometimes rank 1, which died of "Connection closed" milliseconds later.
+    assert fails[1] in ((0, -9), (1, 1)) and len(fails) == 2
+    assert fails[1] != (0, -9) or result.failures[1]["pid"] == pid
+    out = "\n".join(result.rank_lines(0))
+    assert "step 16, epoch 1" in out                      # attempt 1 resumed from step 16
+    assert "InjectedFault: injected fault: rank 1 crashes at step 20" in "\n".join(
+        result.rank_lines(1))
+    losses = runs.losses(result)
+    assert losses[-1][0] == 64 and {a for _, _, a in losses} == {0, 1, 2}
+    first = {}
+    for step, loss, attempt in losses:          # a resumed step logs exactly the loss it had
+        assert first.setdefault(step, loss) == loss
+    assert equal(T.load_final(tmp_path), reference)
+
+
+def test_two_agents_form_one_job_over_loopback(tmp_path, reference):
+    result = run("labkit.torchrun.train", TRAIN + ["--snapshot-dir", str(tmp_path), "--show-env"],
+                 nproc_per_node=1, nnodes=2, timeout=120, echo=False)
+    assert result.ok and result.returncodes == [0, 0], result.tail(30)
+    envs = {r: next(t for t in result.rank_lines(r) if t.startswith("env ")) for r in (0, 1)}
+    for r, env in envs.items():
+        assert f"RANK={r} " in env and "WORLD_SIZE=2" in env and "LOCAL_WORLD_SIZE=1" in env
+        assert f"GROUP_RANK={r} " in env and "LOCAL_RANK=0" in env
+    assert len({ln.node for ln in result.lines if ln.source == "agent"}) == 2
+    assert equal(T.load_final(tmp_path), reference)   # same numbers as any 2-rank launch
+
+
+SCRIPT = """
+import os, time
+{imports}
+{decorator}
+def main():
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 read a corrupt batch")
+    time.sleep(5)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_record_puts_the_traceback_in_the_summary(tmp_path):
+    plain, recorded = tmp_path / "plain.py", tmp_path / "recorded.py"
+    plain.write_text(SCRIPT.format(imports="", decorator=""))
+    recorded.write_text(SCRIPT.format(
+        imports="from torch.distributed.elastic.multiprocessing.errors import record",
+        decorator="@record"))
+    jobs = [launch(str(p), echo=False) for p in (plain, recorded)]
+    without, with_ = [j.wait(90) for j in jobs]
+    for r in (without, with_):
+        assert not r.ok and r.returncode == 1 and "FAILED" in r.summary
+        assert (r.root_cause["rank"], r.root_cause["exitcode"]) == (1, 1)
+    assert without.root_cause["error_file"] == "<N/A>"
+    assert "To enable traceback" in without.root_cause["traceback"]
+    assert "ValueError: rank 1 read a corrupt batch" in with_.root_cause["traceback"]
+    assert with_.root_cause["error_file"].endswith("error.json")
+
+
+# ----------------------------------------------------------- no process left behind
+def test_timeout_kills_agent_and_workers(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    job = launch(str(script), echo=False)
+    assert job.follow(until=lambda ln: ln.source == "rank" and ln.text == "up", timeout=60)
+    assert sorted(job.workers()) == [0, 1]
+    with pytest.raises(TorchrunTimeout, match="did not finish within 1 s"):
+        job.wait(timeout=1)
+    assert live_processes(job.token) == []
+
+
+def test_interrupt_while_following_stops_the_job(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    job = launch(str(script), echo=False)
+
+    def interrupt(line):
+        if line.source == "rank" and line.text == "up":
+            raise KeyboardInterrupt
+        return False
+    with pytest.raises(KeyboardInterrupt):
+        job.follow(until=interrupt, timeout=60)
+    assert not job.running and live_processes(job.token) == []
+    with pytest.raises(TorchrunError, match="no live worker with rank 0"):
+        job.kill(0, signal.SIGKILL)
+
+
+def test_bad_targets_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(TorchrunError, match="no script"):
+        launch(str(tmp_path / "missing.py"))
+    with pytest.raises(TorchrunError, match="no module 'labkit.nope'"):
+        launch("labkit.nope")
+
+
+def test_agents_die_with_the_process_that_launched_them(tmp_path):
+    """A kernel killed mid-job (SIGKILL, no atexit) must not leave agents or workers behind."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    kernel = subprocess.Popen([sys.executable, "-c", (
+        "import labkit as lk\n"
+        f"job = lk.torchrun.launch({str(script)!r}, echo=False)\n"
+        "job.follow(until=lambda ln: ln.source == 'rank' and ln.text == 'up', timeout=90)\n"
+        "print(job.token, flush=True)\n"
+        "import time; time.sleep(600)\n")], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)})   # its log dir: nobody is left to delete it
+    token = kernel.stdout.readline().strip()
+    assert len(live_processes(token)) == 3                 # the agent and 2 workers
+    kernel.kill()
+    kernel.wait()
+    end = time.monotonic() + 20
+    while live_processes(token) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert live_processes(token) == []
+
+
+def test_a_failing_run_with_check_raises_with_the_summary(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(lk.torchrun.TorchrunFailed, match="exitcode  : 3") as err:
+        run(str(script), nproc_per_node=1, echo=False, check=True, timeout=60)
+    assert err.value.run.returncode == 1
+
+
+# ------------------------------------------------------------ teaching variants
+def test_spawn_and_torchrun_variants_train_identically():
+    """labkit/examples: the mp.spawn file and the torchrun file differ only in how ranks start."""
+    import subprocess
+    import sys
+
+    spawn = subprocess.Popen([sys.executable, "-m", "labkit.torchrun.ddp_spawn"], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        launched = run("labkit.torchrun.ddp_torchrun", echo=False, timeout=120)  # meanwhile
+        out, err = spawn.communicate(timeout=120)
+    finally:
+        spawn.kill()
+        spawn.wait()
+    assert spawn.returncode == 0, err[-2000:]
+    assert launched.ok, launched.tail(30)
+    checksum = [ln for ln in out.splitlines() if ln.startswith("parameter checksum")]
+    assert checksum and checksum == [ln for ln in launched.rank_lines(0)
+                                     if ln.startswith("parameter checksum")]
+
+
+# -------------------------------------------------------------------- exercise
+def solution(epochs=2, batch_size=64, lr=0.1):
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import labkit as lk
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    try:
+        data = lk.train.make_dataset()
+        model = DDP(lk.train.make_model(dropout=0.0))
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        sampler = DistributedSampler(data, shuffle=True, seed=0)
+        loader = DataLoader(data, batch_size=batch_size // world_size, sampler=sampler)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            if rank == 0:
+                print(f"epoch {epoch}: loss {loss.item():.4f}")
+        return model.module.state_dict()
+    finally:
+        dist.destroy_process_group()
+
+
+def sloppy(epochs=2, batch_size=64, lr=0.1):
+    """Three classic mistakes: no set_epoch, every rank prints, no destroy_process_group."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import labkit as lk
+
+    dist.init_process_group("gloo")
+    data = lk.train.make_dataset()
+    model = DDP(lk.train.make_model(dropout=0.0))
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    loader = DataLoader(data, batch_size=batch_size // 2,
+                        sampler=DistributedSampler(data, shuffle=True, seed=0))
+    for epoch in range(epochs):
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        print(f"rank {os.environ['RANK']} epoch {epoch}: loss {loss.item():.4f}")
+    return model
+
+
+def test_exercise_passes_a_correct_answer():
+    from labkit.grading.exercise import evaluate
+
+    score = evaluate("05.train_ddp", solution)
+    assert score.status == "correct", [c for c in score.cases if not c.passed]
+    assert len(score.cases) == 5
+
+
+def test_exercise_names_each_mistake():
+    from labkit.torchrun.check import check_torchrun_exercise
+
+    cases = {c.name: c for c in check_torchrun_exercise(sloppy)}
+    assert cases["runs under torchrun on 2 ranks"].passed
+    assert cases["every rank ends with the same parameters"].passed
+    assert "set_epoch" in cases["equals one process on the global batch"].detail
+    assert "destroy_process_group" in cases["destroys the process group"].detail
+    assert "rank 1 printed 'rank 1 epoch 0" in cases["only rank 0 prints"].detail
+    assert not any(c.passed for name, c in cases.items() if name not in (
+        "runs under torchrun on 2 ranks", "every rank ends with the same parameters"))
+
+
+def test_exercise_stub_is_not_done_without_launching(monkeypatch):
+    from labkit.grading.exercise import evaluate
+
+    def train_ddp(epochs=2, batch_size=64, lr=0.1):
+        """A stub, as the student notebook has it."""
+        raise NotImplementedError("train_ddp: write your code here")
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a stub must be recognised without launching torchrun")
+    monkeypatch.setattr(TC, "run_function", no_launch)
+    assert evaluate("05.train_ddp", train_ddp).status == "not done"
+
+
+@pytest.mark.parametrize("mistake, words", [
+    ({"batch_size": 64}, "batch_size // world_size"),
+    ({"lr": 0.2}, "multiplied by the world size"),
+    ({"set_epoch": False}, "set_epoch"),
+])
+def test_exercise_diagnoses_wrong_parameters(monkeypatch, mistake, words):
+    """Without torchrun: feed the checker the parameters a mistaken run would end with."""
+    from labkit.torchrun import check as TE
+
+    params = TE.oracle(**{**TE.EXERCISE_KWARGS, **mistake})
+    fake = FunctionRun([{"rank": r, "error": None, "value": params, "pg_left": False,
+                            "stdout": ""} for r in (0, 1)], None)
+    monkeypatch.setattr(TE, "run_function", lambda *a, **k: fake)
+    cases = {c.name: c for c in TE.check_torchrun_exercise(solution)}
+    assert not cases["equals one process on the global batch"].passed
+    assert words in cases["equals one process on the global batch"].detail
