@@ -159,7 +159,7 @@ def test_every_module_named_in_commands_and_docs_exists():
 def test_every_python_m_labkit_command_is_a_command():
     bad = []
     for where, text in _texts():
-        for cmd, sub in re.findall(r"-m labkit ([\w-]+|[[{]\S*)(?: (\w+))?", text):
+        for cmd, sub in re.findall(r"-m labkit ([\w-]+|[\[{]\S*)(?: (\w+))?", text):
             if cmd.startswith(("[", "{", "COMMAND", "NAME")):
                 continue
             if cmd not in COMMANDS:

@@ -43,10 +43,13 @@ class Report:
                 f"images {self.images}; slowest cells: {slow}; problems: {len(self.problems)}")
 
 
-def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool = False) -> Report:
+def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool = False,
+                   grade: bool = False) -> Report:
     """Open ``rel`` in JupyterLab, run every cell through the UI, check what rendered.
 
     ``as_readme``: open it the way the README's command does (the server's open-file page).
+    ``grade``: then grade its live kernel as the grader would (an untouched student
+    notebook must score zero, cleanly: :meth:`browser_helpers.Lab.grade_live`).
     """
     rep = Report(rel)
     shots = ARTIFACTS / Path(rel).stem
@@ -77,6 +80,11 @@ def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool
         rep.problems += [p for p in _dom_problems(panel) if p not in rep.problems]
         rep.problems += [f"JavaScript error on the page: {e}" for e in page_errors
                          if "widget" in e.lower()]
+        if grade:
+            t2 = time.monotonic()
+            problem = lab.grade_live(rel)
+            rep.timings["grade"] = time.monotonic() - t2
+            rep.problems += [f"grade: {problem}"] if problem else []
     except BaseException:                   # pytest-timeout's Failed too
         page.screenshot(path=str(shots / "FAILED.png"))
         print(lab.log_tail())
