@@ -416,7 +416,9 @@ def _settled(state, quiet_s: float = 1.0, most_s: float = 10.0) -> dict:
 
 # ------------------------------------------------------------------ progress bars
 def _progress_problems(panel, slow: list[tuple[int, float]], slow_s: float) -> list[str]:
-    """A cell that ran longer than ``slow_s`` must show a progress bar (a widget or tqdm text)."""
+    """A cell that ran longer than ``slow_s`` must show progress: a bar (a widget or tqdm
+    text), or live logs streamed while it runs (torchrun's lines, timestamped by
+    ``lk.torchrun``: ``  5.1s agent ...``, ``  6.0s rank 1 ...``)."""
     out = []
     for i, secs in slow:
         if secs <= slow_s:
@@ -424,12 +426,14 @@ def _progress_problems(panel, slow: list[tuple[int, float]], slow_s: float) -> l
         has_bar = panel.evaluate(r"""(p, i) => {
             const c = p.querySelector(`.jp-Cell[data-windowed-list-index="${i}"]`);
             if (!c) return null;
+            const text = c.querySelector('.jp-OutputArea')?.textContent || '';
+            const streamed = (text.match(/^ *\d+\.\ds (agent|rank|notebook)/gm) || []).length;
             return !!c.querySelector('.widget-hprogress, .widget-progress, progress') ||
-                   /\d+%\|/.test(c.querySelector('.jp-OutputArea')?.textContent || '');
+                   /\d+%\|/.test(text) || streamed >= 3;
         }""", i - 1)
         if has_bar is None:
             out.append(f"cell {i}: ran {secs:.1f} s, but the page has no cell {i} to look at")
         elif not has_bar:
-            out.append(f"cell {i}: ran {secs:.1f} s in the browser with no progress bar (over "
-                       f"{slow_s:g} s: show one, e.g. tqdm.auto)")
+            out.append(f"cell {i}: ran {secs:.1f} s in the browser with no progress bar or live "
+                       f"log (over {slow_s:g} s: show one, e.g. tqdm.auto)")
     return out
