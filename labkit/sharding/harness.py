@@ -1,0 +1,114 @@
+"""One harness for every setup: train, count, measure, compare with one process (notebook 06 §4-§5, bench).
+
+:func:`run_setups` runs in each rank. For every named setup it builds the lesson's MLP from a
+**different seed on every rank** (so a setup that forgets to replicate rank 0's weights cannot
+pass), trains a few Adam steps on this rank's share of the batch, and records
+
+* ``memory`` — bytes per part (parameters, gradients, optimizer state, DDP buckets, and the
+  peak of gathered full parameters for the hand ZeRO stages), measured after the last step;
+* ``traffic`` — every collective of the last step (forward, backward, optimizer), counted by
+  :class:`labkit.sharding.counting.CommCounter`;
+* ``max_diff`` — the largest difference between the setup's full parameters and one process
+  training the same model on the whole batch with the same Adam (rank 0's initial weights);
+* ``step_ms`` — optional timed steps (``time_steps``), for the benchmark.
+
+Setups: ``"DDP"``, ``"ZeRO-1"``, ``"ZeRO-2"``, ``"ZeRO-3"`` (by hand, :mod:`.zero`),
+``"ZeroRedundancyOptimizer"``, ``"FSDP2"`` and ``"FSDP2 no reshard"`` (:mod:`.library`).
+
+Example::
+
+    res = lk.run(lk.sharding.run_setups, 2, args=(["DDP", "ZeRO-3"],))
+    res.values[0][1]["memory"]      # rank 0's bytes under ZeRO-3
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .counting import CommCounter
+from .model import DIMS, global_batch, make_mlp, numel, rank_batch
+from .optim import Adam
+
+__all__ = ["SETUP_NAMES", "build", "oracle_parameters", "run_setups", "INIT_SEED"]
+
+SETUP_NAMES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeroRedundancyOptimizer", "FSDP2",
+               "FSDP2 no reshard")
+INIT_SEED = 100          # rank r initialises from INIT_SEED + r; the oracle from rank 0's
+DATA_SEED = 1234
+
+
+def build(name: str, model, lr: float, collectives: str = "ring"):
+    """(In a rank.) The setup object for ``name`` around ``model``."""
+    from .library import TorchDDP, TorchFSDP, TorchZeroRedundancy
+    from .zero import HandZero
+    if name.startswith("ZeRO-") and name[-1] in "123":
+        return HandZero(model, int(name[-1]), lr, collectives)
+    makers = {"DDP": lambda: TorchDDP(model, lr), "ZeroRedundancyOptimizer":
+              lambda: TorchZeroRedundancy(model, lr), "FSDP2": lambda: TorchFSDP(model, lr, True),
+              "FSDP2 no reshard": lambda: TorchFSDP(model, lr, False)}
+    if name not in makers:
+        raise ValueError(f"unknown setup {name!r}: choose from {SETUP_NAMES}.")
+    return makers[name]()
+
+
+def oracle_parameters(world_size: int, dims=DIMS, steps: int = 3, lr: float = 1e-2,
+                      per_rank: int = 8) -> list[torch.Tensor]:
+    """One process, the whole batch of every step, Adam: the parameters every setup must reach."""
+    model = make_mlp(dims, seed=INIT_SEED)
+    opt = Adam(model.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = global_batch(per_rank * world_size, dims, DATA_SEED + step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_one(rank: int, world_size: int, name: str, dims, steps: int, lr: float,
+               per_rank: int, collectives: str, oracle, time_steps: int) -> dict:
+    model = make_mlp(dims, seed=INIT_SEED + rank)
+    psi = numel(model)
+    setup = build(name, model, lr, collectives)
+    comm, memory = CommCounter(), {}
+    for step in range(steps):
+        x, y = rank_batch(rank, world_size, per_rank, dims, DATA_SEED + step)
+        last = step == steps - 1
+        if last:
+            comm.__enter__()
+        try:
+            F.mse_loss(setup.module(x), y).backward()
+            setup.step()
+        finally:
+            if last:
+                comm.__exit__(None, None, None)
+        if last:
+            memory = setup.memory()
+        setup.zero_grad()
+    full = setup.full_parameters()
+    diff = max(float((a - b).abs().max()) for a, b in zip(full, oracle))
+    times = []
+    x, y = rank_batch(rank, world_size, per_rank, dims, DATA_SEED)
+    for _ in range(time_steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        F.mse_loss(setup.module(x), y).backward()
+        setup.step()
+        setup.zero_grad()
+        times.append((time.perf_counter() - t0) * 1e3)
+    memory["total"] = sum(v for k, v in memory.items() if k != "transient" and v)
+    return {"setup": name, "impl": setup.name, "world_size": world_size, "rank": rank, "psi": psi,
+            "memory": memory, "traffic": comm.totals(), "kinds": comm.kinds(),
+            "volume": comm.volume(), "ring_sent": comm.ring_sent(), "max_diff": diff,
+            "step_ms": times}
+
+
+def run_setups(rank: int, world_size: int, names=("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"),
+               dims=DIMS, steps: int = 3, lr: float = 1e-2, per_rank: int = 8,
+               collectives: str = "ring", time_steps: int = 0) -> list[dict]:
+    """(In a rank.) Train, count and measure each setup in ``names``; one dict per setup."""
+    oracle = oracle_parameters(world_size, dims, steps, lr, per_rank)
+    return [_train_one(rank, world_size, name, dims, steps, lr, per_rank, collectives, oracle,
+                       time_steps) for name in names]
