@@ -1,15 +1,12 @@
 """Which to use when: bytes per rank and bytes sent per step, by setup (notebook 06 §1, §9).
 
-The formulas of the ZeRO paper (Rajbhandari et al., SC 2020), for Ψ parameters on N ranks:
+The formulas of the ZeRO paper (Rajbhandari et al., SC 2020), for Ψ parameters on N ranks::
 
-=============  ==========  =========  ================  ==================
-setup          parameters  gradients  optimizer state   sent per step
-=============  ==========  =========  ================  ==================
-DDP            P·Ψ         G·Ψ (+G·Ψ buckets)  K·Ψ      2Ψ (all-reduce)
-ZeRO-1         P·Ψ         G·Ψ        K·Ψ/N             2Ψ (reduce-scatter + all-gather)
-ZeRO-2         P·Ψ         G·Ψ/N      K·Ψ/N             2Ψ
-ZeRO-3 / FSDP  P·Ψ/N       G·Ψ/N      K·Ψ/N             3Ψ (all-gather twice + reduce-scatter)
-=============  ==========  =========  ================  ==================
+    setup          parameters  gradients          optimizer state  sent per step
+    DDP            P·Ψ         G·Ψ (+ G·Ψ buckets) K·Ψ              2Ψ  all-reduce
+    ZeRO-1         P·Ψ         G·Ψ                K·Ψ/N            2Ψ  reduce-scatter + all-gather
+    ZeRO-2         P·Ψ         G·Ψ/N              K·Ψ/N            2Ψ
+    ZeRO-3 / FSDP  P·Ψ/N       G·Ψ/N              K·Ψ/N            3Ψ  all-gather x2 + reduce-scatter
 
 with bytes per element P (parameters), G (gradients), K (optimizer state). In fp32 with Adam
 P = G = 4 and K = 8 (``exp_avg``, ``exp_avg_sq``): 16Ψ. In mixed precision (bf16 parameters and
@@ -107,28 +104,36 @@ def plan_table(models: dict[str, int] | None = None, ranks: tuple[int, ...] = (8
                gpu_gib: float = 80.0, precision: str = "mixed") -> str:
     """A text table of :func:`plan` for several models and rank counts (model state only)."""
     models = MODELS if models is None else models
-    lines = [f"PREDICTION (ZeRO formulas, {precision} precision, model state only, "
-             f"{gpu_gib:g} GiB per GPU):",
-             f"{'model':<12} {'Ψ':>15} {'ranks':>5}  " + "  ".join(
-                 f"{s:>16}" for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))]
+    setups = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+    lines = [f"PREDICTION from the ZeRO formulas ({precision} precision + Adam, model state only, "
+             f"{gpu_gib:g} GiB GPUs). Cell: GiB per rank / GB sent per rank per step; "
+             f"* = does not fit",
+             f"{'model':<12} {'Ψ':>14} {'ranks':>5} " + "".join(f"{s:>21}" for s in setups)]
     for name, psi in models.items():
         for n in ranks:
-            cells = [f"{r['gib_per_rank']:9.3g} GiB{' ' if r['fits'] else '✗'}{r['gb_sent_per_step']:.3g}"
+            cells = [f"{_g(r['gib_per_rank'])}{' ' if r['fits'] else '*'}/ {_g(r['gb_sent_per_step'])}"
                      for r in plan(psi, n, gpu_gib, precision)]
-            lines.append(f"{name:<12} {psi:>15,} {n:>5}  " + "  ".join(f"{c:>16}" for c in cells))
-    lines.append("cell: GiB per rank (✗ = more than the GPU holds), then GB sent per step")
+            lines.append(f"{name:<12} {psi:>14,} {n:>5} " + "".join(f"{c:>21}" for c in cells))
     return "\n".join(lines)
 
 
+def _g(x: float) -> str:
+    return f"{x:.3g}" if x >= 0.01 else f"{x:.1e}"
+
+
 def compare(measured: list[dict], precision: str = "fp32") -> list[dict]:
-    """Prediction next to measurement for the rows the lab ran (``setup``, ``world_size``, ``psi``,
-    ``memory`` total bytes, ``volume`` counted bytes): adds ``predicted_*`` and ratios."""
+    """Prediction next to measurement, for the setups the lab ran.
+
+    ``measured`` rows: ``setup`` (one of :data:`SETUPS`), ``world_size``, ``psi``, ``memory``
+    (total bytes measured) and ``ring_sent`` (bytes counted in one step). Adds
+    ``predicted_memory``, ``predicted_sent`` and the two ratios measured / predicted.
+    """
     rows = []
     for m in measured:
         mem = memory_per_rank(m["psi"], m["world_size"], m["setup"], precision,
                               buckets=m.get("buckets", True))
         traffic = traffic_per_step(m["psi"], m["world_size"], m["setup"], precision)
-        rows.append({**m, "predicted_memory": mem["total"], "predicted_volume": traffic["volume"],
+        rows.append({**m, "predicted_memory": mem["total"], "predicted_sent": traffic["ring_sent"],
                      "memory_ratio": m["memory"] / mem["total"],
-                     "volume_ratio": m["volume"] / traffic["volume"]})
+                     "sent_ratio": m["ring_sent"] / traffic["ring_sent"]})
     return rows

@@ -32,19 +32,29 @@ TIMEOUT_S = 4.0
 ATOL, RTOL = 1e-6, 1e-5
 
 
+def _warm(rank: int, world_size: int) -> None:
+    from .counting import CommCounter
+    with CommCounter():              # the first dispatch mode in a process imports torch._dynamo
+        torch.zeros(1).add_(1)       # (seconds on a busy machine): not the answer's time
+
+
 def _job(fn, world_size: int, answer, steps: int):
     """Run a checker job; (values, None) or (None, message) when it failed."""
-    res = run(fn, world_size, args=(answer, steps), timeout=TIMEOUT_S, deadline=TIMEOUT_S + 8,
+    run(_warm, world_size, timeout=60.0, deadline=120.0, echo=False)   # ms when ranks are warm
+    res = run(fn, world_size, args=(answer, steps), timeout=TIMEOUT_S, deadline=TIMEOUT_S + 20,
               check=False, echo=False)
     if res.ok:
         return res.values, None
     bad = res.first_failure()
     if bad.status == "raised" and (bad.error or "").startswith("NotImplementedError"):
         raise NotImplementedError("the answer still raises NotImplementedError")
-    if bad.status == "hung" or "Timed out" in (bad.error or ""):
-        return None, (f"rank {bad.rank} waited more than {TIMEOUT_S:.0f} s (stuck in "
-                      f"{bad.where or 'a collective'}): a deadlock. Every rank must issue the "
-                      f"same collectives in the same order.")
+    if "Timed out" in (bad.error or ""):
+        return None, (f"rank {bad.rank} waited more than {TIMEOUT_S:.0f} s in a collective: a "
+                      f"deadlock. Every rank must issue the same collectives in the same order.")
+    if bad.status == "hung":
+        return None, (f"rank {bad.rank} was still running after {TIMEOUT_S + 20:.0f} s (stuck in "
+                      f"{bad.where or 'your code'}): an endless loop, or a deadlock. Every rank "
+                      f"must issue the same collectives in the same order.")
     return None, f"{bad.describe()} — the case cannot be verified, so it fails."
 
 
@@ -211,8 +221,11 @@ def _linear_traffic(values, n: int) -> str | None:
     return None
 
 
-def check_sharded_linear(cls, world_sizes=WORLD_SIZES, steps: int = 3) -> list[Case]:
-    """Grade ``cls(linear)``: a ZeRO-3 ``nn.Linear(6, 5)`` keeping only ``self.shard``."""
+def check_sharded_linear(cls, world_sizes=(4, 2), steps: int = 3) -> list[Case]:
+    """Grade ``cls(linear)``: a ZeRO-3 ``nn.Linear(6, 5)`` keeping only ``self.shard``.
+
+    4 ranks first: after exercise 1's check (2, then 4 ranks) the warm 4-rank pool is reused,
+    one rank pool started less (each start costs most of a second on a busy machine)."""
     cases = []
     for n in world_sizes:
         names = [f"{n} ranks: output and gradients bit-exact vs one process, every rank and step",

@@ -117,6 +117,13 @@ class CommCounter(TorchDispatchMode):
         self.calls: list[dict] = []
         self.label = ""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless told not to;
+        # that imports torch._dynamo (seconds, in every fresh rank). This mode never runs under
+        # torch.compile, so the wrapper is not needed.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in _NAMESPACES:
             op = func._schema.name.split("::")[-1]

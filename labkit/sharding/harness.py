@@ -12,7 +12,8 @@ pass), trains a few Adam steps on this rank's share of the batch, and records
   training the same model on the whole batch with the same Adam (rank 0's initial weights);
 * ``step_ms`` — optional timed steps (``time_steps``), for the benchmark.
 
-Setups: ``"DDP"``, ``"ZeRO-1"``, ``"ZeRO-2"``, ``"ZeRO-3"`` (by hand, :mod:`.zero`),
+Setups: ``"DDP"``, ``"ZeRO-1"``, ``"ZeRO-2"``, ``"ZeRO-3"`` (by hand, :mod:`.zero`, with
+``collectives``; ``"ZeRO-3 ring"`` / ``"ZeRO-3 dist"`` choose per setup),
 ``"ZeroRedundancyOptimizer"``, ``"FSDP2"`` and ``"FSDP2 no reshard"`` (:mod:`.library`).
 
 Example::
@@ -44,8 +45,9 @@ def build(name: str, model, lr: float, collectives: str = "ring"):
     """(In a rank.) The setup object for ``name`` around ``model``."""
     from .library import TorchDDP, TorchFSDP, TorchZeroRedundancy
     from .zero import HandZero
-    if name.startswith("ZeRO-") and name[-1] in "123":
-        return HandZero(model, int(name[-1]), lr, collectives)
+    stage, _, how = name.partition(" ")             # "ZeRO-3" or "ZeRO-3 ring" / "ZeRO-3 dist"
+    if stage in ("ZeRO-1", "ZeRO-2", "ZeRO-3") and how in ("", "ring", "dist"):
+        return HandZero(model, int(stage[-1]), lr, how or collectives)
     makers = {"DDP": lambda: TorchDDP(model, lr), "ZeroRedundancyOptimizer":
               lambda: TorchZeroRedundancy(model, lr), "FSDP2": lambda: TorchFSDP(model, lr, True),
               "FSDP2 no reshard": lambda: TorchFSDP(model, lr, False)}
