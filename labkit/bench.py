@@ -15,6 +15,7 @@ import sys
 BENCHMARKS = {
     "launch": ("labkit.launch_bench", "rank start-up latency and warm-pool memory"),
     "allreduce": ("labkit.bandwidth", "all-reduce time, algbw and busbw by message size"),
+    "sharding": ("labkit.sharding.bench", "memory per rank and step time: DDP, ZeRO-1/2/3, FSDP2"),
 }
 
 
