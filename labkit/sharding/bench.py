@@ -4,8 +4,10 @@ For 2 and 4 ranks, trains the same MLP (default 512 → 1024 → 1024 → 512, �
 in fp32) with DDP, the hand-written ZeRO-1/2/3 (torch's collectives, and ZeRO-3 also with the
 ring halves of notebook 03), ``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard``, all through
 :func:`labkit.sharding.harness.run_setups`: each setup is checked against one process
-(``max|Δ|``), its bytes per rank read from storages, its traffic counted, and ``--steps``
-steps timed after the warm-up. Step time = median over steps of the slowest rank.
+(``max|Δ|``), its bytes per rank read from storages and its traffic counted; then all setups
+are timed side by side, one step each in turn for ``--steps`` rounds (order rotated every round),
+so that a change of load on a shared machine hits them alike. Step time = median over rounds
+of the slowest rank.
 
 Target: the hand ZeRO-3 within 1.5× of ``fully_shard``'s step time (the ``× FSDP2`` column).
 On a shared 2-core machine the ranks compete for the cores (4 ranks: more ranks than cores),
@@ -26,26 +28,32 @@ BENCH_SETUPS = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 ring", "ZeroRedunda
 
 def measure(world_sizes=(2, 4), dims=(512, 1024, 1024, 512), steps: int = 10,
             per_rank: int = 32, setups=BENCH_SETUPS, progress=None) -> list[dict]:
-    """One row per (world size, setup): memory of rank 0, step ms, traffic, max|Δ|."""
+    """One row per (world size, setup): memory of rank 0, step ms, traffic, max|Δ|.
+
+    Memory, traffic and the comparison with one process come from
+    :func:`~labkit.sharding.harness.run_setups`; step times from
+    :func:`~labkit.sharding.harness.interleaved_step_times` (all setups in turn, ``steps``
+    rounds): the median over rounds of the slowest rank.
+    """
     from ..launch import run
-    from .harness import run_setups
+    from .harness import interleaved_step_times, run_setups
     rows = []
     for n in world_sizes:
-        for name in setups:
-            res = run(run_setups, n, args=((name,),),
-                      kwargs=dict(dims=dims, steps=2, per_rank=per_rank, time_steps=steps,
-                                  collectives="dist"),
-                      timeout=120, echo=False)
-            per_rank_rows = [v[0] for v in res.values]
-            slowest = [max(r["step_ms"][i] for r in per_rank_rows) for i in range(steps)]
-            r0 = per_rank_rows[0]
+        checked = run(run_setups, n, args=(tuple(setups),),
+                      kwargs=dict(dims=dims, steps=2, per_rank=per_rank, collectives="dist"),
+                      timeout=120, echo=False).values
+        timed = run(interleaved_step_times, n, args=(tuple(setups),),
+                    kwargs=dict(dims=dims, rounds=steps, per_rank=per_rank),
+                    timeout=120, deadline=900, echo=False).values
+        for i, name in enumerate(setups):
+            r0 = checked[0][i]
+            slowest = [max(t[name][k] for t in timed) for k in range(steps)]
             rows.append({"world_size": n, "setup": name, "impl": r0["impl"],
-                         "memory": r0["memory"], "psi": r0["psi"],
-                         "ring_sent": r0["ring_sent"], "max_diff": max(r["max_diff"]
-                                                                      for r in per_rank_rows),
+                         "memory": r0["memory"], "psi": r0["psi"], "ring_sent": r0["ring_sent"],
+                         "max_diff": max(c[i]["max_diff"] for c in checked),
                          "step_ms": statistics.median(slowest)})
-            if progress:
-                progress(n, name)
+        if progress:
+            progress(n)
     return rows
 
 
@@ -81,7 +89,7 @@ def cli(argv: list[str]) -> int:
           f"{args.steps} timed steps, {args.per_rank} rows per rank")
     t0 = time.perf_counter()
     rows = measure(tuple(args.world_sizes), tuple(args.dims), args.steps, args.per_rank,
-                   progress=lambda n, s: print(f"  measured {s} on {n} ranks", flush=True))
+                   progress=lambda n: print(f"  measured {n} ranks", flush=True))
     print(table(rows))
     for n in args.world_sizes:
         by = {r["setup"]: r["step_ms"] for r in rows if r["world_size"] == n}

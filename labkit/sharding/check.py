@@ -63,8 +63,18 @@ def _close(a, b) -> bool:
         torch.allclose(a, b, atol=ATOL, rtol=RTOL)
 
 
-def _fail_all(names: list[str], why: str) -> list[Case]:
-    return [Case(n, False, why) for n in names]
+def _grade(job, cls, world_sizes, steps: int, names, judge) -> list[Case]:
+    """Per world size: run ``job``, then one case per name, ``judge(values, n)`` giving each
+    case's problem (``None``: passed, with the detail "every rank, every step")."""
+    cases = []
+    for n in world_sizes:
+        values, why = _job(job, n, cls, steps)
+        if why is None:
+            why = next((v["error"] for v in values if "error" in v), None)
+        problems = [why] * len(names(n)) if why else judge(values, n)
+        cases += [Case(name, p is None, p or "every rank, every step")
+                  for name, p in zip(names(n), problems)]
+    return cases
 
 
 # ------------------------------------------------------------- exercise 1: ZeRO-1 optimizer
@@ -120,23 +130,15 @@ def check_sharded_optimizer(cls, world_sizes=WORLD_SIZES, steps: int = 3) -> lis
     The checker calls ``step()`` after each ``loss.backward()`` (the gradients are this rank's
     own, not averaged) and sets every ``.grad`` to ``None`` after it.
     """
-    cases = []
-    for n in world_sizes:
-        names = [f"{n} ranks, SGD with momentum: every rank matches one process every step",
-                 f"{n} ranks, Adam: every rank matches one process every step",
-                 f"{n} ranks, Adam: each rank's optimizer state is about 1/{n}"]
-        values, why = _job(J.optimizer_job, n, cls, steps)
-        if why:
-            cases += _fail_all(names, why)
-            continue
-        for name, setup in zip(names[:2], ("SGD with momentum", "Adam")):
-            problem = _params_problem(values, setup, n, steps)
-            cases.append(Case(name, problem is None, problem or f"all {n} ranks, {steps} steps"))
-        problem = _state_problem(values, n)
-        cases.append(Case(names[2], problem is None, problem or
-                          f"at most {max(max(v['Adam']['state']) for v in values)} elements "
-                          f"of state per rank"))
-    return cases
+    def names(n):
+        return [f"{n} ranks, SGD with momentum: every rank matches one process every step",
+                f"{n} ranks, Adam: every rank matches one process every step",
+                f"{n} ranks, Adam: each rank's optimizer state is about 1/{n}"]
+
+    def judge(values, n):
+        return [_params_problem(values, "SGD with momentum", n, steps),
+                _params_problem(values, "Adam", n, steps), _state_problem(values, n)]
+    return _grade(J.optimizer_job, cls, world_sizes, steps, names, judge)
 
 
 # ------------------------------------------------------------- exercise 2: ZeRO-3 layer
@@ -226,21 +228,15 @@ def check_sharded_linear(cls, world_sizes=(4, 2), steps: int = 3) -> list[Case]:
 
     4 ranks first: after exercise 1's check (2, then 4 ranks) the warm 4-rank pool is reused,
     one rank pool started less (each start costs most of a second on a busy machine)."""
-    cases = []
-    for n in world_sizes:
-        names = [f"{n} ranks: output and gradients bit-exact vs one process, every rank and step",
-                 f"{n} ranks: only the 1/{n} shard is kept between steps",
-                 f"{n} ranks: hand-written ring collectives, ZeRO-3's traffic"]
-        values, why = _job(J.linear_job, n, cls, steps)
-        if why is None and any("error" in v for v in values):
-            why = next(v["error"] for v in values if "error" in v)
-        if why:
-            cases += _fail_all(names, why)
-            continue
-        for name, problem in zip(names, (_linear_numbers(values, n, steps),
-                                         _linear_memory(values, n), _linear_traffic(values, n))):
-            cases.append(Case(name, problem is None, problem or "every rank, every step"))
-    return cases
+    def names(n):
+        return [f"{n} ranks: output and gradients bit-exact vs one process, every rank and step",
+                f"{n} ranks: only the 1/{n} shard is kept between steps",
+                f"{n} ranks: hand-written ring collectives, ZeRO-3's traffic"]
+
+    def judge(values, n):
+        return [_linear_numbers(values, n, steps), _linear_memory(values, n),
+                _linear_traffic(values, n)]
+    return _grade(J.linear_job, cls, world_sizes, steps, names, judge)
 
 
 # ------------------------------------------------------------- exercise 3: Megatron MLP
@@ -248,18 +244,14 @@ def check_parallel_mlp(cls, world_sizes=WORLD_SIZES, steps: int = 2) -> list[Cas
     """Grade ``cls(mlp)`` for ``mlp = Sequential(Linear(6, 8), Tanh(), Linear(8, 5))``: a
     column-parallel ``fc1`` and a row-parallel ``fc2``, the full output on every rank."""
     from ._check_mlp import mlp_comm, mlp_numbers, mlp_shapes
-    cases = []
-    for n in world_sizes:
-        names = [f"{n} ranks: output, input gradient and every weight gradient match one "
-                 f"process, every rank and step",
-                 f"{n} ranks: fc1 split by output rows, fc2 by input columns (1/{n} each)",
-                 f"{n} ranks: hand-written, one all-reduce forward and one backward"]
-        values, why = _job(J.mlp_job, n, cls, steps)
-        if why:
-            cases += _fail_all(names, why)
-            continue
-        shapes = mlp_shapes(values, n)
-        numbers = shapes or mlp_numbers(values, n, steps)     # slices can't be compared otherwise
-        for name, problem in zip(names, (numbers, shapes, mlp_comm(values, n))):
-            cases.append(Case(name, problem is None, problem or "every rank, every step"))
-    return cases
+
+    def names(n):
+        return [f"{n} ranks: output, input gradient and every weight gradient match one "
+                f"process, every rank and step",
+                f"{n} ranks: fc1 split by output rows, fc2 by input columns (1/{n} each)",
+                f"{n} ranks: hand-written, one all-reduce forward and one backward"]
+
+    def judge(values, n):
+        shapes = mlp_shapes(values, n)      # the slices cannot be compared with wrong shapes
+        return [shapes or mlp_numbers(values, n, steps), shapes, mlp_comm(values, n)]
+    return _grade(J.mlp_job, cls, world_sizes, steps, names, judge)

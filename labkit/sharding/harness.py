@@ -9,8 +9,9 @@ pass), trains a few Adam steps on this rank's share of the batch, and records
 * ``traffic`` — every collective of the last step (forward, backward, optimizer), counted by
   :class:`labkit.sharding.counting.CommCounter`;
 * ``max_diff`` — the largest difference between the setup's full parameters and one process
-  training the same model on the whole batch with the same Adam (rank 0's initial weights);
-* ``step_ms`` — optional timed steps (``time_steps``), for the benchmark.
+  training the same model on the whole batch with the same Adam (rank 0's initial weights).
+
+:func:`interleaved_step_times` times setups side by side for the benchmark.
 
 Setups: ``"DDP"``, ``"ZeRO-1"``, ``"ZeRO-2"``, ``"ZeRO-3"`` (by hand, :mod:`.zero`, with
 ``collectives``; ``"ZeRO-3 ring"`` / ``"ZeRO-3 dist"`` choose per setup),
@@ -33,7 +34,8 @@ from .counting import CommCounter
 from .model import DIMS, global_batch, make_mlp, numel, rank_batch
 from .optim import Adam
 
-__all__ = ["SETUP_NAMES", "build", "oracle_parameters", "run_setups", "INIT_SEED"]
+__all__ = ["SETUP_NAMES", "build", "oracle_parameters", "run_setups", "interleaved_step_times",
+           "INIT_SEED"]
 
 SETUP_NAMES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeroRedundancyOptimizer", "FSDP2",
                "FSDP2 no reshard")
@@ -70,7 +72,7 @@ def oracle_parameters(world_size: int, dims=DIMS, steps: int = 3, lr: float = 1e
 
 
 def _train_one(rank: int, world_size: int, name: str, dims, steps: int, lr: float,
-               per_rank: int, collectives: str, oracle, time_steps: int) -> dict:
+               per_rank: int, collectives: str, oracle) -> dict:
     model = make_mlp(dims, seed=INIT_SEED + rank)
     psi = numel(model)
     setup = build(name, model, lr, collectives)
@@ -91,26 +93,41 @@ def _train_one(rank: int, world_size: int, name: str, dims, steps: int, lr: floa
         setup.zero_grad()
     full = setup.full_parameters()
     diff = max(float((a - b).abs().max()) for a, b in zip(full, oracle))
-    times = []
+    memory["total"] = sum(v for k, v in memory.items() if k != "transient" and v)
+    return {"setup": name, "impl": setup.name, "world_size": world_size, "rank": rank, "psi": psi,
+            "memory": memory, "traffic": comm.totals(), "kinds": comm.kinds(),
+            "volume": comm.volume(), "ring_sent": comm.ring_sent(), "max_diff": diff}
+
+
+def run_setups(rank: int, world_size: int, names=("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"),
+               dims=DIMS, steps: int = 3, lr: float = 1e-2, per_rank: int = 8,
+               collectives: str = "ring") -> list[dict]:
+    """(In a rank.) Train, count and measure each setup in ``names``; one dict per setup."""
+    oracle = oracle_parameters(world_size, dims, steps, lr, per_rank)
+    return [_train_one(rank, world_size, name, dims, steps, lr, per_rank, collectives, oracle)
+            for name in names]
+
+
+def interleaved_step_times(rank: int, world_size: int, names, dims=DIMS, rounds: int = 10,
+                           per_rank: int = 8, lr: float = 1e-2) -> dict[str, list[float]]:
+    """(In a rank.) Step times in ms of every setup, timed in turn: round k times each setup
+    once, in an order rotated by k, after a barrier. Setups measured side by side under the
+    same load compare fairly on a shared machine (one setup after the other would not)."""
     x, y = rank_batch(rank, world_size, per_rank, dims, DATA_SEED)
-    for _ in range(time_steps):
+    setups = [build(name, make_mlp(dims, seed=INIT_SEED + rank), lr, "dist") for name in names]
+
+    def step(setup) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         F.mse_loss(setup.module(x), y).backward()
         setup.step()
         setup.zero_grad()
-        times.append((time.perf_counter() - t0) * 1e3)
-    memory["total"] = sum(v for k, v in memory.items() if k != "transient" and v)
-    return {"setup": name, "impl": setup.name, "world_size": world_size, "rank": rank, "psi": psi,
-            "memory": memory, "traffic": comm.totals(), "kinds": comm.kinds(),
-            "volume": comm.volume(), "ring_sent": comm.ring_sent(), "max_diff": diff,
-            "step_ms": times}
-
-
-def run_setups(rank: int, world_size: int, names=("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"),
-               dims=DIMS, steps: int = 3, lr: float = 1e-2, per_rank: int = 8,
-               collectives: str = "ring", time_steps: int = 0) -> list[dict]:
-    """(In a rank.) Train, count and measure each setup in ``names``; one dict per setup."""
-    oracle = oracle_parameters(world_size, dims, steps, lr, per_rank)
-    return [_train_one(rank, world_size, name, dims, steps, lr, per_rank, collectives, oracle,
-                       time_steps) for name in names]
+        return (time.perf_counter() - t0) * 1e3
+    for setup in setups:                       # warm-up: buckets, lazy init, optimizer state
+        step(setup)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for k in range(rounds):
+        for i in range(len(setups)):
+            j = (i + k) % len(setups)
+            times[names[j]].append(step(setups[j]))
+    return times

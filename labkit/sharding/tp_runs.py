@@ -44,15 +44,14 @@ def _holds(layers: dict) -> dict[str, dict]:
                    "bytes": storage_bytes(m.parameters())} for name, m in layers.items()}
 
 
-def tp_by_hand(rank: int, world_size: int, dims=TP_DIMS, batch: int = 8) -> dict:
-    """(In a rank.) Hand-written Megatron MLP vs one process; all-reduces counted per layer."""
-    mlp = MegatronMLP(make_mlp(dims, seed=INIT_SEED + rank))
+def _against_one_process(mlp, layers: dict, dims, batch: int) -> dict:
+    """One forward and backward of ``mlp`` (collectives counted per layer) and of one process."""
     oracle = make_mlp(dims, seed=INIT_SEED)
     x, y = global_batch(batch, dims)
     x.requires_grad_()
     xo = x.detach().clone().requires_grad_()
     comm = CommCounter()
-    handles = label_layers(comm, {"fc1": mlp.fc1, "fc2": mlp.fc2})
+    handles = label_layers(comm, layers)
     with comm:
         out = mlp(x)
         F.mse_loss(out, y).backward()
@@ -60,15 +59,23 @@ def tp_by_hand(rank: int, world_size: int, dims=TP_DIMS, batch: int = 8) -> dict
         h.remove()
     ref = oracle(xo)
     F.mse_loss(ref, y).backward()
+    return {"oracle": oracle, "out_diff": _max_diff([(out, ref)]),
+            "x_grad_diff": _max_diff([(x.grad, xo.grad)]), "sends": _sends(comm),
+            "holds": _holds(layers)}
+
+
+def tp_by_hand(rank: int, world_size: int, dims=TP_DIMS, batch: int = 8) -> dict:
+    """(In a rank.) Hand-written Megatron MLP vs one process; all-reduces counted per layer."""
+    mlp = MegatronMLP(make_mlp(dims, seed=INIT_SEED + rank))
+    res = _against_one_process(mlp, {"fc1": mlp.fc1, "fc2": mlp.fc2}, dims, batch)
+    oracle = res.pop("oracle")
     k = dims[1] // world_size
     rows = slice(rank * k, (rank + 1) * k)
     grads = [(mlp.fc1.weight.grad, oracle[0].weight.grad[rows]),
              (mlp.fc1.bias.grad, oracle[0].bias.grad[rows]),
              (mlp.fc2.weight.grad, oracle[2].weight.grad[:, rows]),
              (mlp.fc2.bias.grad, oracle[2].bias.grad)]
-    return {"out_diff": _max_diff([(out, ref)]), "x_grad_diff": _max_diff([(x.grad, xo.grad)]),
-            "grad_diff": _max_diff(grads), "sends": _sends(comm),
-            "holds": _holds({"fc1": mlp.fc1, "fc2": mlp.fc2}),
+    return {**res, "grad_diff": _max_diff(grads),
             "full_bytes": {"fc1": storage_bytes(oracle[0].parameters()),
                            "fc2": storage_bytes(oracle[2].parameters())}}
 
@@ -80,24 +87,11 @@ def tp_library(rank: int, world_size: int, dims=TP_DIMS, batch: int = 8) -> dict
 
     from .library import cpu_mesh
     mlp = make_mlp(dims, seed=INIT_SEED + rank)
-    oracle = make_mlp(dims, seed=INIT_SEED)
     parallelize_module(mlp, cpu_mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    x, y = global_batch(batch, dims)
-    x.requires_grad_()
-    xo = x.detach().clone().requires_grad_()
-    comm = CommCounter()
-    handles = label_layers(comm, {"fc1": mlp[0], "fc2": mlp[2]})
-    with comm:
-        out = mlp(x)
-        F.mse_loss(out, y).backward()
-    for h in handles:
-        h.remove()
-    ref = oracle(xo)
-    F.mse_loss(ref, y).backward()
+    res = _against_one_process(mlp, {"fc1": mlp[0], "fc2": mlp[2]}, dims, batch)
+    oracle = res.pop("oracle")
     grads = [(p.grad.full_tensor(), q.grad) for p, q in zip(mlp.parameters(), oracle.parameters())]
-    return {"out_diff": _max_diff([(out, ref)]), "x_grad_diff": _max_diff([(x.grad, xo.grad)]),
-            "grad_diff": _max_diff(grads), "sends": _sends(comm),
-            "holds": _holds({"fc1": mlp[0], "fc2": mlp[2]}),
+    return {**res, "grad_diff": _max_diff(grads),
             "placements": {n: str(p.placements) for n, p in mlp.named_parameters()}}
 
 

@@ -1,8 +1,9 @@
 """ZeRO by hand: stages 1, 2 and 3 built from reduce-scatter and all-gather (notebook 06 §4).
 
 Each ``nn.Linear`` is one *unit*: its weight and bias are laid end to end in one flat buffer,
-padded to a multiple of N and cut into N equal shards (:class:`FlatLayout`, FSDP's "flat
-parameter"). Rank r owns shard r. Then, per unit:
+padded to a multiple of N and cut into N equal shards (:class:`FlatLayout`: FSDP1's and
+DeepSpeed's "flat parameter"; FSDP2 shards each parameter along dim 0 instead). Rank r owns
+shard r. Then, per unit:
 
 * **ZeRO-1** (optimizer state sharded) — backward fills the full ``.grad`` as usual; the step
   reduce-scatters the flattened gradient (rank r gets the sum of its shard), divides by N,
