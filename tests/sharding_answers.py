@@ -69,6 +69,16 @@ class PlainOptimizer:
         self.optimizer.step()
 
 
+class DoNothingOptimizer:
+    """Lazy: a step that does nothing at all."""
+
+    def __init__(self, params, optimizer_class, **defaults):
+        pass
+
+    def step(self):
+        pass
+
+
 class UnshardedOptimizer:
     """Wrong: right numbers (broadcast, all-reduce, average), but every rank keeps all the state."""
 

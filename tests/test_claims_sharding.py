@@ -90,12 +90,12 @@ def test_the_counter_sees_every_kind_of_collective_whoever_issues_it():
 
 # ------------------------------------------------------------------ §5 PyTorch's own
 def _fsdp_grads(rank, world_size, reshard, mixed):
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
-    import torch.nn.functional as F
-    from labkit.sharding.library import cpu_mesh
     from labkit.sharding.model import global_batch, linears, make_mlp, rank_batch
-    mesh = cpu_mesh()
+    mesh = init_device_mesh("cpu", (world_size,))
     model, ref = make_mlp((8, 16, 4), seed=0), make_mlp((8, 16, 4), seed=0)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed else MixedPrecisionPolicy()

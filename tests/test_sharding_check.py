@@ -53,6 +53,13 @@ def test_a_plain_optimizer_fails_numbers_and_sharding():
     assert "A plain Adam holds 2Ψ" in failed(cases, "state")
 
 
+def test_an_optimizer_that_does_nothing_fails_every_case():
+    cases = check_sharded_optimizer(A.DoNothingOptimizer, world_sizes=(2,))
+    assert "differ from rank 0's" in failed(cases, "SGD")
+    assert "keep the inner optimizer" in failed(cases, "state")
+    assert not any(c.passed for c in cases)
+
+
 def test_no_sharding_gets_the_numbers_right_and_still_fails_the_state_case():
     cases = check_sharded_optimizer(A.UnshardedOptimizer, world_sizes=(4,))
     assert passed(cases, "SGD") and passed(cases, "Adam: every rank")
