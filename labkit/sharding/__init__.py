@@ -19,7 +19,8 @@ module              concept                                                     
 ``tp_runs``         TP vs one process, ``parallelize_module``, a 2 × 2 mesh           §7-§8
 ``pictures``        the notebook's plots                                             all
 ``keys``            quiz keys computed from the learner's own measurements           §13
-``check``           the three exercise checkers                                      §12
+``rubric``          what the grader would give now                                   Evaluation
+``check``           the three exercise checkers (rank jobs, oracles: ``_check_*``)   §12
 ``bench``           ``python -m labkit.bench sharding``                               —
 ==================  ===============================================================  =======
 

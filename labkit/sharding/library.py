@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..ddp import broadcast_parameters
 from .memory import _bucket_recorder, optimizer_tensors, storage_bytes
 
 __all__ = ["TorchDDP", "TorchZeroRedundancy", "TorchFSDP", "cpu_mesh"]
@@ -95,7 +96,6 @@ class TorchFSDP:
                  reshard_after_forward: bool = True) -> None:
         from torch.distributed.fsdp import fully_shard
         self.mesh = cpu_mesh()
-        from ..ddp import broadcast_parameters
         broadcast_parameters(model)                # fully_shard shards what each rank has
         for layer in [m for m in model.modules() if isinstance(m, nn.Linear)]:
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard_after_forward)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..ddp import broadcast_parameters
 from .counting import CommCounter
 from .harness import INIT_SEED
 from .memory import local, storage_bytes
@@ -105,7 +106,6 @@ def mesh_2d(rank: int, world_size: int, dims=(16, 64, 16), steps: int = 3, per_d
     from .library import cpu_mesh
     if world_size != 4:
         raise ValueError(f"mesh_2d is a 2 x 2 mesh: run it on 4 ranks, not {world_size}.")
-    from ..ddp import broadcast_parameters
     mesh = cpu_mesh((2, 2), ("dp", "tp"))
     mlp = make_mlp(dims, seed=INIT_SEED + rank)
     broadcast_parameters(mlp)          # FSDP2 shards what each rank has: replicate rank 0's
