@@ -125,7 +125,7 @@ def lr_at(step: int, cfg: argparse.Namespace) -> float:
 
 def wrap(model: torch.nn.Module, parallel: str, world_size: int, device: torch.device):
     """DDP, or FSDP2 (each block sharded on its own, then the rest); as is on one process."""
-    if world_size == 1 and not dist.is_initialized():                         # [dist]
+    if not dist.is_initialized():                                              # [dist]
         return model
     if parallel == "ddp":                                                      # [dist]
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # [dist]
@@ -193,7 +193,7 @@ def _resume(ckpts, cfg, model, opt, device, world: int, corpus: str, log) -> int
     same = meta["world_size"] == world
     load_checkpoint(path, model, opt, device, restore_rng=same)
     log(f"resumed from {path}: step {step}, saved by {meta['world_size']} rank(s) "
-        f"({meta['parallel']}), now {world} ({cfg.parallel}) | attempt {_attempt()}")
+        f"({meta['parallel']}), now {world} ({_layout(cfg)}) | attempt {_attempt()}")
     if not same:
         log(f"note: resharded {meta['world_size']} -> {world} ranks: parameters and optimizer "
             f"state are exactly the saved ones; the dropout RNG streams are new and the "
@@ -211,7 +211,7 @@ def _save(ckpts, step, model, opt, device, cfg, world: int, corpus: str, log) ->
         dist.barrier()              # the folder exists before any rank writes into it  # [dist]
     save_checkpoint(ckpts.folder(step), model, opt, device)
     if master:                      # after dcp.save every rank's file is on disk
-        meta = {"step": step, "world_size": world, "parallel": cfg.parallel, "corpus": corpus,
+        meta = {"step": step, "world_size": world, "parallel": _layout(cfg), "corpus": corpus,
                 "config": {k: getattr(cfg, k) for k in SAME}}
         ck = ckpts.commit(step, meta)
         size = sum(f["bytes"] for f in ck.manifest["files"].values())
@@ -226,6 +226,10 @@ def _optimizer(model: torch.nn.Module, cfg: argparse.Namespace) -> torch.optim.O
                               {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
 
 
+def _layout(cfg: argparse.Namespace) -> str:
+    return cfg.parallel if dist.is_initialized() else "one process"                # [dist]
+
+
 def _attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -234,14 +238,37 @@ _LOG = ("step {step:4d}/{total} | epoch {epoch} | loss {loss:.6f} | attempt {att
         "lr {lr:.2e} | {tps:.0f} tok/s")
 
 
-def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
-    """Train with ``cfg``; return the final parameters (every one on rank 0, {} on the others)."""
+def _setup() -> tuple[int, int, torch.device]:
+    """(rank, world size, device): from the process group if there is one, else one process."""
     distributed = dist.is_available() and dist.is_initialized()                # [dist]
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)  # [dist]
     cuda = dist.get_backend() == "nccl" if distributed else torch.cuda.is_available()  # [dist]
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    master = rank == 0
-    log = (lambda msg: print(msg, flush=True)) if master else (lambda msg: None)   # rank 0 logs
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    return rank, world, torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def _optimizer_step(model, opt, micro: list, cfg, step: int, device) -> torch.Tensor:
+    """One step: forward/backward over this rank's micro-batches, clip, update; their mean loss."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro):
+        with grad_sync(model, sync=i == len(micro) - 1):   # all-reduce on the last only
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                _, loss = model(x.to(device), y.to(device))
+            (loss / len(micro)).backward()
+        loss_sum += loss.detach() / len(micro)
+    if cfg.grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss_sum
+
+
+def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """Train with ``cfg``; return the final parameters (every one on rank 0, {} on the others)."""
+    rank, world, device = _setup()
+    log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)  # rank 0 logs
     corpus = load_corpus(cfg.corpus_bytes, root=cfg.corpus_dir)
     train_data, val_data = Windows(corpus.train, cfg.block_size), Windows(corpus.val, cfg.block_size)
     if cfg.eval_windows:
@@ -253,52 +280,39 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
     ckpts = Checkpoints(Path(cfg.out_dir) / "checkpoints", cfg.keep, log) if cfg.out_dir else None
     step = _resume(ckpts, cfg, model, opt, device, world, corpus.fingerprint, log)
     batches = rank_batches(train_data, cfg.batch_size, cfg.grad_accum, rank, world, cfg.seed, step)
-    amp = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else contextlib.nullcontext
     per_epoch, timed, t_train, t_start = len(train_data) // cfg.batch_size, 0, 0.0, time.perf_counter()
     while step < cfg.steps:
         if step == cfg.crash_at_step and rank == cfg.crash_rank and _attempt() == 0:
             raise InjectedFault(f"injected fault: rank {rank} crashes at step {step} "
                                 f"(--crash-at-step, first attempt only)")
         t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        micro, loss_sum = next(batches), torch.zeros((), device=device)
-        for i, (x, y) in enumerate(micro):
-            with grad_sync(model, sync=i == len(micro) - 1):   # all-reduce on the last only
-                with amp():
-                    _, loss = model(x.to(device), y.to(device))
-                (loss / len(micro)).backward()
-            loss_sum += loss.detach() / len(micro)
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _optimizer_step(model, opt, next(batches), cfg, step, device)
         step, timed, t_train = step + 1, timed + 1, t_train + time.perf_counter() - t0
         if step % cfg.log_every == 0 or step == cfg.steps:
-            if distributed:                                                    # [dist]
-                dist.all_reduce(loss_sum)   # the global batch's mean loss  # [dist]
+            if world > 1:                                                      # [dist]
+                dist.all_reduce(loss)       # the global batch's mean loss x world  # [dist]
             log(_LOG.format(step=step, total=cfg.steps, epoch=(step - 1) // per_epoch,
-                            loss=loss_sum.item() / world, attempt=_attempt(),
-                            lr=lr_at(step - 1, cfg), tps=timed * cfg.batch_size * cfg.block_size / t_train))
+                            loss=loss.item() / world, attempt=_attempt(), lr=lr_at(step - 1, cfg),
+                            tps=timed * cfg.batch_size * cfg.block_size / t_train))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             log(f"eval | step {step} | {evaluate(model, val_data, cfg.eval_batch, device, cfg.bf16)}")
         if ckpts and (step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
             _save(ckpts, step, model, opt, device, cfg, world, corpus.fingerprint, log)
-        if cfg.step_delay:
-            time.sleep(cfg.step_delay)
+        time.sleep(cfg.step_delay)
     result = evaluate(model, val_data, cfg.eval_batch, device, cfg.bf16)
     log(f"eval | step {step} | {result}")
     params = full_model_state(model)                       # gathered on rank 0 (a collective)
-    if master:
-        _finish(cfg, params, gpt, result, step, world, timed, t_train, time.perf_counter() - t_start, log)
+    if rank == 0:
+        _finish(cfg, params, gpt, result, step, world, (timed, t_train, time.perf_counter() - t_start), log)
     return params
 
 
-def _finish(cfg, params, gpt, result, step, world, timed, t_train, wall, log) -> None:
+def _finish(cfg, params, gpt, result, step: int, world: int, times: tuple, log) -> None:
+    timed, t_train, wall = times
     tps = timed * cfg.batch_size * cfg.block_size / t_train if timed else None
     if cfg.out_dir:
         torch.save(params, Path(cfg.out_dir) / FINAL)
-        summary = {"steps": step, "world_size": world, "parallel": cfg.parallel,
+        summary = {"steps": step, "world_size": world, "parallel": _layout(cfg),
                    "val_loss": result.loss, "val_windows": result.windows,
                    "steps_this_attempt": timed, "train_s": round(t_train, 3),
                    "wall_s": round(wall, 3), "tokens_per_s": tps and round(tps, 1)}
