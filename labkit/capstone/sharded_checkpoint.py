@@ -22,6 +22,25 @@ What does not reshard: each rank's RNG state (one stream per rank, so there
 is nothing to give a 3rd and 4th rank) is saved under ``rng/rank<r>`` and
 restored only when the world size is unchanged. Step, data position and
 config travel in the checkpoint's manifest (``checkpoints.py``).
+
+Resumed on the SAME number of ranks, a run is bit-identical to one that never
+stopped: same values, same RNG streams, same data (the data position is the
+step), same kernels and summation order. Resumed on ANOTHER number of ranks,
+the state is still loaded exactly and the data is the same (each step's
+global batch is the same set of windows on any world size), but the run
+cannot stay bit-identical, for two reasons:
+
+1. the gradient is the same sum in another order: each rank averages its own
+   micro-batch first, then the all-reduce adds the ranks' results (gloo sums
+   in its own order), and float addition is not associative; the last-bit
+   differences grow step by step (Adam divides by small second moments);
+2. dropout draws from per-rank RNG streams: N ranks draw N streams of masks
+   for N slices of the batch, so other ranks means other masks.
+
+``tests/test_capstone_reshard.py`` asserts what can be asserted: the loaded
+parameters and optimizer state equal the saved ones bit for bit (1, 2, 4
+ranks; FSDP2, DDP, one process), and training goes on with a loss close to the
+2-rank run's.
 """
 from __future__ import annotations
 
