@@ -68,9 +68,10 @@ def nothing_left_behind():
     assert zombies() == [], f"unreaped children: {zombies()}"
 
 
-@pytest.fixture(scope="module")
-def no_ranks_after_the_module():
-    """Warm lab ranks stay between jobs (that is the point of them); at the end none is left."""
+@pytest.fixture(scope="session")
+def no_ranks_at_the_end():
+    """Warm lab ranks stay between jobs and test files (that is the point of them: a cold start
+    costs seconds); when the session ends none is left."""
     yield
     lk.shutdown()
     assert_no_ranks_left()

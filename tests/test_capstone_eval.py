@@ -11,15 +11,15 @@ import torch
 import torch.distributed as dist
 
 import labkit as lk
-from capstone_common import no_ranks_after_the_module, nothing_left_behind
+from capstone_common import no_ranks_at_the_end, nothing_left_behind
 from labkit.capstone import data as D
 from labkit.capstone import evaluate as E
 from labkit.capstone import model as M
 from labkit.capstone import train_gpt as G
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow,
-              pytest.mark.usefixtures("nothing_left_behind", "no_ranks_after_the_module")]
-__all__ = ["nothing_left_behind", "no_ranks_after_the_module"]
+              pytest.mark.usefixtures("nothing_left_behind", "no_ranks_at_the_end")]
+__all__ = ["nothing_left_behind", "no_ranks_at_the_end"]
 
 CFG = M.GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
 N_WINDOWS = 10                 # 3 ranks pad 2 duplicates, 4 ranks pad 2; 2 ranks none
@@ -68,8 +68,8 @@ def single() -> float:
     return E.evaluate(_model(), _val(), batch_size=4, device=torch.device("cpu")).loss
 
 
-@pytest.mark.parametrize("world_size, parallel", [(1, "ddp"), (2, "ddp"), (3, "ddp"), (4, "ddp"),
-                                                  (2, "fsdp"), (3, "fsdp")])
+@pytest.mark.parametrize("world_size, parallel", [(1, "ddp"), (2, "ddp"), (2, "fsdp"),
+                                                  (3, "ddp"), (3, "fsdp"), (4, "ddp")])
 def test_distributed_eval_equals_one_process_exactly(single, world_size, parallel):
     values = lk.run(_evaluate, world_size, args=(parallel,), echo=False, timeout=60).values
     assert values == [single] * world_size          # ==, not approx, on every rank

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import labkit as lk
-from capstone_common import TINY, losses, no_ranks_after_the_module, nothing_left_behind, on_ranks
+from capstone_common import TINY, losses, no_ranks_at_the_end, nothing_left_behind, on_ranks
 from labkit.capstone import train_gpt as G
 from labkit.capstone.model import GPTConfig, make_gpt
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow,
-              pytest.mark.usefixtures("nothing_left_behind", "no_ranks_after_the_module")]
-__all__ = ["nothing_left_behind", "no_ranks_after_the_module"]
+              pytest.mark.usefixtures("nothing_left_behind", "no_ranks_at_the_end")]
+__all__ = ["nothing_left_behind", "no_ranks_at_the_end"]
 
 N_LAYER = 2
 

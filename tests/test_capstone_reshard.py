@@ -14,26 +14,32 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import labkit as lk
-from capstone_common import (TINY, equal, losses, no_ranks_after_the_module, nothing_left_behind,
+from capstone_common import (TINY, equal, losses, no_ranks_at_the_end, nothing_left_behind,
                              on_ranks, quiet_train)
 from labkit.capstone import train_gpt as G
 from labkit.capstone.model import GPTConfig, make_gpt
 from labkit.capstone.sharded_checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow,
-              pytest.mark.usefixtures("nothing_left_behind", "no_ranks_after_the_module")]
-__all__ = ["nothing_left_behind", "no_ranks_after_the_module"]
+              pytest.mark.usefixtures("nothing_left_behind", "no_ranks_at_the_end")]
+__all__ = ["nothing_left_behind", "no_ranks_at_the_end"]
 
 ARGV = TINY + ["--parallel", "fsdp", "--dropout", "0"]     # dropout 0: no RNG in the loss curve
 
 
 def _full_state(model, opt) -> tuple[dict, dict]:
-    """Whole model and optimizer state, gathered (what the checkpoint holds, as plain tensors)."""
+    """Whole model and optimizer state, gathered, as copies.
+
+    Copies: some values are the live tensors themselves (Adam's ``step`` counters), which
+    the optimizer goes on changing in place after this call.
+    """
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_state_dict(model, opt, options=opts)
+    state = get_state_dict(model, opt, options=opts)
+    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state)
 
 
 def _load(rank: int, world_size: int, path: str, parallel: str) -> tuple[dict, dict]:
@@ -47,18 +53,33 @@ def _load(rank: int, world_size: int, path: str, parallel: str) -> tuple[dict, d
     return _full_state(model, opt)
 
 
-def _saved_state(rank: int, world_size: int, out: str) -> tuple[dict, dict]:
-    """Train 8 steps on 2 FSDP ranks (checkpoint at 8) and gather what was saved."""
-    cfg = G.parse_args(ARGV + ["--steps", "8", "--out-dir", out])
-    G.train(cfg)
-    return _load(rank, world_size, str(Path(out) / "checkpoints" / "step_00000008"), "fsdp")
+def _two_rank_run(rank: int, world_size: int, out: str) -> tuple[dict, dict]:
+    """12 steps on 2 FSDP ranks (checkpoints at 4, 8, 12); the live state when step 8 was saved."""
+    real, live = G._save, {}
+
+    def save_and_gather(ckpts, step, model, opt, *rest):
+        real(ckpts, step, model, opt, *rest)
+        if step == 8:
+            live["state"] = _full_state(model, opt)          # a collective: every rank is here
+    G._save = save_and_gather
+    try:
+        G.train(G.parse_args(ARGV + ["--out-dir", out, "--keep", "3"]))
+    finally:
+        G._save = real
+    return live["state"]
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[Path, tuple[dict, dict]]:
+def two_rank_run(tmp_path_factory) -> tuple[Path, tuple[dict, dict], dict[int, float]]:
+    """(the step-8 checkpoint, the model and optimizer state it was saved from, loss per step)."""
     out = tmp_path_factory.mktemp("two")
-    state = lk.run(_saved_state, 2, args=(str(out),), echo=False, timeout=60).values[0]
-    return out / "checkpoints" / "step_00000008", state
+    res = lk.run(_two_rank_run, 2, args=(str(out),), echo=False, timeout=60)
+    return out / "checkpoints" / "step_00000008", res.values[0], losses(res.stdout[0])
+
+
+@pytest.fixture
+def saved(two_rank_run) -> tuple[Path, tuple[dict, dict]]:
+    return two_rank_run[:2]
 
 
 def test_the_checkpoint_is_sharded_one_file_per_rank(saved):
@@ -68,8 +89,8 @@ def test_the_checkpoint_is_sharded_one_file_per_rank(saved):
     assert "blocks.0.attn.qkv.weight" in model_sd and optim_sd["state"]  # plain names, Adam state
 
 
-@pytest.mark.parametrize("world_size, parallel", [(1, "none"), (2, "ddp"), (4, "fsdp"),
-                                                  (1, "fsdp")])
+@pytest.mark.parametrize("world_size, parallel", [(1, "none"), (1, "fsdp"), (2, "fsdp"),
+                                                  (2, "ddp"), (4, "fsdp")])
 def test_saved_on_two_loads_exactly_on_other_layouts(saved, world_size, parallel):
     path, state = saved
     if parallel == "none":
@@ -81,18 +102,9 @@ def test_saved_on_two_loads_exactly_on_other_layouts(saved, world_size, parallel
     assert equal(got[1], state[1])                              # Adam moments and step counts
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory) -> tuple[Path, dict[int, float]]:
-    """12 steps on 2 FSDP ranks, checkpoints every 4: the run the resumed ones are compared to."""
-    out = tmp_path_factory.mktemp("ref")
-    res = on_ranks(ARGV + ["--out-dir", str(out)])
-    return out, losses(res.stdout[0])
-
-
-def _resume_from_step_8(tmp_path: Path, ref: Path) -> Path:
+def _resume_from_step_8(tmp_path: Path, src: Path) -> Path:
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
-    src = ref / "checkpoints" / "step_00000008"
     dst = out / "checkpoints" / src.name
     dst.mkdir()
     for f in src.iterdir():
@@ -102,8 +114,8 @@ def _resume_from_step_8(tmp_path: Path, ref: Path) -> Path:
 
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_training_goes_on_close_to_the_two_rank_run(tmp_path, two_rank_run, world_size):
-    ref, ref_losses = two_rank_run
-    out = _resume_from_step_8(tmp_path, ref)
+    step8, _, ref_losses = two_rank_run
+    out = _resume_from_step_8(tmp_path, step8)
     argv = ARGV + ["--out-dir", str(out)]
     log = quiet_train(argv)[1] if world_size == 1 else on_ranks(argv, world_size).stdout[0]
     layout = "one process" if world_size == 1 else "fsdp"

@@ -264,3 +264,11 @@ def test_the_runbook_docstring_has_the_commands():
     for needle in ("python -m labkit.capstone.train_gpt", "--max-restarts=2", "--parallel fsdp",
                    "--nnodes=1:2", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "--crash-at-step"):
         assert needle in doc, needle
+
+
+@pytest.mark.parametrize("module", [D, M, E, C])
+def test_docstring_examples_run(module):
+    import doctest
+
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0

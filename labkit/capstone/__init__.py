@@ -4,7 +4,7 @@ Modules, one concept each (the script imports only torch and these):
 
 * :mod:`.data` — the corpus (Python's standard library, as bytes) and the per-rank batches;
 * :mod:`.model` — a small byte-level GPT;
-* :mod:`.evaluate` — distributed evaluation equal to one process (padding removed, sums all-reduced);
+* :mod:`.evaluate` — distributed evaluation equal to one process (padding dropped, sums reduced);
 * :mod:`.sharded_checkpoint` — model + optimizer + RNG with torch.distributed.checkpoint;
 * :mod:`.checkpoints` — keep the last K checkpoints, prove each whole (manifest), fall back;
 * :mod:`.train_gpt` — the script: ``python -m labkit.capstone.train_gpt`` or under torchrun.

@@ -150,7 +150,7 @@ class Checkpoints:
         return path
 
     def commit(self, step: int, meta: dict | None = None) -> Checkpoint:
-        """Record size and SHA-256 of every file in ``step``'s folder, write the manifest, rotate."""
+        """Record size and SHA-256 of each file in ``step``'s folder, write the manifest, rotate."""
         path = self.folder(step)
         files = {}
         for p in _files(path):

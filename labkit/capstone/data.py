@@ -72,12 +72,13 @@ def load_corpus(max_bytes: int = 1_000_000, val_fraction: float = 0.1,
 
 
 class Windows(Dataset):
-    """Non-overlapping windows of ``block_size + 1`` tokens: item ``i`` starts at ``i * block_size``."""
+    """Windows of ``block_size + 1`` tokens; item ``i`` starts at token ``i * block_size``."""
 
     def __init__(self, tokens: torch.Tensor, block_size: int):
         if len(tokens) < block_size + 1:
             raise ValueError(f"{len(tokens)} tokens cannot make one window of block_size "
-                             f"{block_size} + 1: use a smaller --block-size or more --corpus-bytes.")
+                             f"{block_size} + 1: use a smaller --block-size or more "
+                             f"--corpus-bytes.")
         self.tokens, self.block_size = tokens, block_size
 
     def __len__(self) -> int:
@@ -90,8 +91,11 @@ class Windows(Dataset):
         return w[:-1], w[1:]
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
 def rank_batches(data: Dataset, batch_size: int, micro_batches: int, rank: int, world_size: int,
-                 seed: int, start_step: int = 0) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+                 seed: int, start_step: int = 0) -> Iterator[list[Batch]]:
     """This rank's micro-batches, step by step from ``start_step`` (an endless iterator).
 
     ``batch_size`` is the GLOBAL batch (windows per optimizer step). Each epoch

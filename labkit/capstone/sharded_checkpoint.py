@@ -90,7 +90,7 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     device: torch.device) -> None:
-    """Every rank: write model + optimizer (each rank its shard) + this rank's RNG state to ``path``."""
+    """Every rank: write model + optimizer (each rank its shard) + its RNG state to ``path``."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{_rank()}": rng_state(device)}}
     with _one_process_quietly():

@@ -1,4 +1,4 @@
-"""The capstone: a small GPT trained under torchrun that survives failures, shards, and proves itself.
+"""The capstone: a small GPT trained under torchrun that survives failures, shards, proves itself.
 
 Notebook 08 ships this file. One script, like nanoGPT's ``train.py``: it runs
 as one process or under torchrun, with ``--parallel ddp`` (DistributedDataParallel)
@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import Subset
+from torch.utils.data import Dataset, Subset
 
 from .checkpoints import Checkpoints, NoValidCheckpoint
 from .data import Windows, decode, encode, load_corpus, rank_batches
@@ -265,22 +265,29 @@ def _optimizer_step(model, opt, micro: list, cfg, step: int, device) -> torch.Te
     return loss_sum
 
 
+def _data(cfg: argparse.Namespace) -> tuple[Windows, Dataset, str]:
+    """Training windows, validation windows (the first --eval-windows), the corpus fingerprint."""
+    corpus = load_corpus(cfg.corpus_bytes, root=cfg.corpus_dir)
+    val = Windows(corpus.val, cfg.block_size)
+    if cfg.eval_windows:
+        val = Subset(val, range(min(cfg.eval_windows, len(val))))
+    return Windows(corpus.train, cfg.block_size), val, corpus.fingerprint
+
+
 def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
     """Train with ``cfg``; return the final parameters (every one on rank 0, {} on the others)."""
     rank, world, device = _setup()
     log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)  # rank 0 logs
-    corpus = load_corpus(cfg.corpus_bytes, root=cfg.corpus_dir)
-    train_data, val_data = Windows(corpus.train, cfg.block_size), Windows(corpus.val, cfg.block_size)
-    if cfg.eval_windows:
-        val_data = Subset(val_data, range(min(cfg.eval_windows, len(val_data))))
+    train_data, val_data, corpus = _data(cfg)
     gpt = GPTConfig(cfg.block_size, 256, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout)
     model = wrap(make_gpt(gpt, seed=cfg.seed).to(device), cfg.parallel, world, device)
     opt = _optimizer(model, cfg)
     torch.manual_seed(cfg.seed + 1000 + rank)              # each rank its own dropout masks
     ckpts = Checkpoints(Path(cfg.out_dir) / "checkpoints", cfg.keep, log) if cfg.out_dir else None
-    step = _resume(ckpts, cfg, model, opt, device, world, corpus.fingerprint, log)
+    step = _resume(ckpts, cfg, model, opt, device, world, corpus, log)
     batches = rank_batches(train_data, cfg.batch_size, cfg.grad_accum, rank, world, cfg.seed, step)
-    per_epoch, timed, t_train, t_start = len(train_data) // cfg.batch_size, 0, 0.0, time.perf_counter()
+    per_epoch, tokens = len(train_data) // cfg.batch_size, cfg.batch_size * cfg.block_size
+    timed, t_train, t_start = 0, 0.0, time.perf_counter()
     while step < cfg.steps:
         if step == cfg.crash_at_step and rank == cfg.crash_rank and _attempt() == 0:
             raise InjectedFault(f"injected fault: rank {rank} crashes at step {step} "
@@ -293,17 +300,19 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
                 dist.all_reduce(loss)       # the global batch's mean loss x world  # [dist]
             log(_LOG.format(step=step, total=cfg.steps, epoch=(step - 1) // per_epoch,
                             loss=loss.item() / world, attempt=_attempt(), lr=lr_at(step - 1, cfg),
-                            tps=timed * cfg.batch_size * cfg.block_size / t_train))
+                            tps=timed * tokens / t_train))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            log(f"eval | step {step} | {evaluate(model, val_data, cfg.eval_batch, device, cfg.bf16)}")
+            result = evaluate(model, val_data, cfg.eval_batch, device, cfg.bf16)
+            log(f"eval | step {step} | {result}")
         if ckpts and (step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
-            _save(ckpts, step, model, opt, device, cfg, world, corpus.fingerprint, log)
+            _save(ckpts, step, model, opt, device, cfg, world, corpus, log)
         time.sleep(cfg.step_delay)
     result = evaluate(model, val_data, cfg.eval_batch, device, cfg.bf16)
     log(f"eval | step {step} | {result}")
     params = full_model_state(model)                       # gathered on rank 0 (a collective)
     if rank == 0:
-        _finish(cfg, params, gpt, result, step, world, (timed, t_train, time.perf_counter() - t_start), log)
+        times = (timed, t_train, time.perf_counter() - t_start)
+        _finish(cfg, params, gpt, result, step, world, times, log)
     return params
 
 
