@@ -30,7 +30,8 @@ __version__ = "0.1.0"
 # Lesson modules load on first use (``lk.collectives``, ``lk.quiz`` ...): one concept each.
 _SUBMODULES = ("quiz", "exercise", "grade", "notebooks", "collectives", "ringviz", "bandwidth",
                "ddp", "ddp_check", "overlap", "timeline", "pipeline_check", "plots", "parallelism",
-               "pitfalls", "diagnosis", "train", "torchrun", "stacks", "bench", "nccl_capture")
+               "pitfalls", "diagnosis", "train", "torchrun", "stacks", "bench", "nccl_capture",
+               "capstone")
 
 
 def __getattr__(name: str):
