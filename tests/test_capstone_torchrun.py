@@ -88,3 +88,12 @@ def test_elastic_job_goes_on_when_a_node_leaves(tmp_path):
     assert "saved by 2 rank(s) (ddp), now 1 (ddp)" in out and "resharded 2 -> 1 ranks" in out
     assert result.resumes == [8] and "done: 16 steps on 1 rank(s)" in out
     assert sorted({s for s, _, _ in result.losses}) == list(range(1, 17))
+
+
+@pytest.mark.parametrize("nnodes", [0, "2:1", "x", ":2", "0:0"])
+def test_launch_refuses_a_bad_nnodes_before_starting_anything(nnodes):
+    from labkit.torchrun import TorchrunError, live_processes
+
+    with pytest.raises(TorchrunError, match="MIN:MAX"):
+        launch(SCRIPT, nnodes=nnodes, echo=False)
+    assert live_processes() == []
