@@ -3,7 +3,8 @@
 A claim test's docstring starts with where the sentence is and quotes it, e.g. the docstring
 ``02 "Step 2 · Scatter": “the shards are disjoint except for the padding”.``
 
-``NN`` is the notebook number (its solution in ``solutions/``), or ``README``. :func:`check_quotes`
+``NN`` is the notebook number (its solution in ``solutions/``), or ``README``; a docstring may
+quote several sentences, each belonging to the place named before it. :func:`check_quotes`
 (called by each claim file) asserts that every quoted sentence really is in the notebook (or
 README), so prose and test cannot drift apart: change the sentence, and the test that backs it
 must change too. When a claim test fails after a torch upgrade, the sentence it quotes is wrong
@@ -18,7 +19,8 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
-_WHERE = re.compile(r'^\s*(\d\d|README)\b[^“]*“(.+?)”', re.S)
+_WHERE = re.compile(r'(?:^|\s)(\d\d|README) "')        # 02 "Step 2 · Scatter"
+_QUOTE = re.compile(r"“(.+?)”", re.S)
 
 
 def _norm(text: str) -> str:
@@ -39,8 +41,11 @@ def quotes(module) -> list[tuple[str, str, str]]:
     out = []
     for name, fn in inspect.getmembers(module, inspect.isfunction):
         if name.startswith("test_") and fn.__doc__ and fn.__module__ == module.__name__:
-            for m in _WHERE.finditer(fn.__doc__):
-                out.append((name, m.group(1), _norm(m.group(2))))
+            places = [(m.start(), m.group(1)) for m in _WHERE.finditer(fn.__doc__)]
+            for q in _QUOTE.finditer(fn.__doc__):   # each quote belongs to the place before it
+                where = [w for at, w in places if at < q.start()]
+                if where:
+                    out.append((name, where[-1], _norm(q.group(1))))
     return out
 
 

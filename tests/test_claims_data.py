@@ -38,3 +38,4 @@ def test_padding_skews_an_evaluation_metric():
 
 def test_the_lab_says_what_these_tests_show():
     _claims.check_quotes(sys.modules[__name__])
+

@@ -144,7 +144,10 @@ def test_ddp_broadcasts_rank0_batchnorm_buffers_at_every_forward():
     """02 "Common pitfalls": “With the default `broadcast_buffers=True`, DDP copies rank 0's
     buffers to every rank at the start of each forward: each rank normalises with its own batch's
     statistics, and the running statistics that survive are rank 0's, computed from rank 0's data
-    alone”. The same sentence is in 04 "BatchNorm statistics under DDP"."""
+    alone”. And 04 "BatchNorm statistics under DDP" says the same: “With the default
+    `broadcast_buffers=True`, DDP copies rank 0's buffers to every rank at the start of each
+    forward: each rank normalises with its own batch's statistics, and the running statistics
+    that survive are rank 0's, computed from rank 0's data alone”."""
     import torch
 
     (steps0, end0), (steps1, end1) = lk.run(_batchnorm_under_ddp, 2, timeout=30, echo=False).values

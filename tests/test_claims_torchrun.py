@@ -86,7 +86,9 @@ def unshared(tmp_path_factory):
 def test_torchrun_sets_the_environment_and_the_script_initialises(shared):
     """05 "Build it: from `mp.spawn` to a torchrun script": “torchrun only starts the processes
     and sets the environment variables that `init_process_group` reads; the script calls
-    `init_process_group` itself”. The same sentence is in 00 "2 · Hello, all-reduce"."""
+    `init_process_group` itself”. And 00 "2 · Hello, all-reduce": “torchrun only starts the
+    processes and sets the environment variables that `init_process_group` reads; the script
+    calls `init_process_group` itself”."""
     for attempt in shared.values():
         for rank, seen in attempt.items():
             assert seen["initialized"] is False and seen["sum"] == 2.0

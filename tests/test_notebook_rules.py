@@ -246,3 +246,21 @@ def test_every_key_term_is_in_the_cheat_sheet_glossary(path):
 
 def test_the_readme_links_the_cheat_sheet():
     assert "(notebooks/cheatsheet.md)" in (ROOT / "README.md").read_text()
+
+
+# ------------------------------------------------------------------ claim tests' quotes
+
+def test_a_claim_the_notebook_no_longer_says_fails_the_quote_check():
+    import types
+
+    import _claims
+
+    fake = types.ModuleType("fake_claims")
+
+    def test_something():
+        """02 "Step 2 · Scatter": “the shards never overlap”."""
+
+    test_something.__module__ = fake.__name__
+    fake.test_something = test_something
+    with pytest.raises(AssertionError, match="no longer says"):
+        _claims.check_quotes(fake)
