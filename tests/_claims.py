@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
 from pathlib import Path
 
 import nbformat
@@ -61,3 +62,28 @@ def check_quotes(module) -> None:
         assert sentence in source_text(where), (
             f"{name} backs the sentence “{sentence}”, which {where} no longer says: update the "
             f"test's docstring together with the prose")
+
+
+def run_tree(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that, on a timeout, kills the whole
+    process tree: torchrun starts its workers in their own sessions, so killing the agent alone
+    would leave them running. Raises ``subprocess.TimeoutExpired`` after cleaning up."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -6,6 +6,7 @@ so that we notice when it is fixed). Each docstring quotes the sentence it backs
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -178,8 +179,8 @@ def _torchrun(script, env, tmp_path) -> subprocess.CompletedProcess:
     path.write_text(script)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(path)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", **env})
+    return _claims.run_tree(cmd, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
 
 @pytest.mark.timeout(240)

@@ -65,8 +65,7 @@ def _attempts(tmp_path, **env) -> dict[int, dict[str, dict]]:
     script.write_text(WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--max-restarts=1", "--monitor-interval=0.2", str(script)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
-                          env=_clean_env(SEEN_DIR=str(tmp_path), **env))
+    done = _claims.run_tree(cmd, timeout=150, env=_clean_env(SEEN_DIR=str(tmp_path), **env))
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
     out: dict[int, dict[str, dict]] = {}
     for path in tmp_path.glob("*.json"):
