@@ -29,7 +29,7 @@ WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES"]
     seen = {k: os.environ.get(k) for k in keys}
     seen["initialized"] = dist.is_initialized()           # before this script does anything
     if seen["RANK"] == "0":                               # is a store listening already?
@@ -55,7 +55,7 @@ WORKER = textwrap.dedent("""
 def _clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "CUDA_VISIBLE_DEVICES")}
     return {**env, **extra}
 
 
@@ -108,6 +108,8 @@ def test_torchrun_sets_omp_threads_and_nccl_error_handling(shared):
         for seen in attempt.values():
             assert seen["OMP_NUM_THREADS"] == "1"
             assert seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+            # quiz 05.local_rank's explanation: torchrun does not set CUDA_VISIBLE_DEVICES
+            assert seen["CUDA_VISIBLE_DEVICES"] is None
 
 
 def test_the_shared_store_keeps_master_port_across_restarts(shared):
