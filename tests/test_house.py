@@ -173,3 +173,14 @@ def test_every_python_m_labkit_command_is_a_command():
                                           {m for m, _ in BENCHMARKS.values()}))
 def test_every_command_module_has_a_main(module):
     assert callable(getattr(importlib.import_module(module), "main", None))
+
+
+def test_every_test_file_named_in_docs_and_code_exists():
+    """The docs and the notebooks cite the tests that back their claims: those paths must exist."""
+    texts = _texts() + [(str(p.relative_to(ROOT)), p.read_text()) for p in
+                        [*(ROOT / "tests").rglob("*.py"), *(ROOT / "tests").rglob("*.sh"),
+                         *(ROOT / "notebooks").glob("*.md"), *PKG.rglob("*.md")]]
+    bad = sorted({f"{where}: {path}" for where, text in texts
+                  for path in re.findall(r"tests/[\w/]+\.py", text) if not (ROOT / path).exists()})
+    assert not bad, "test files that do not exist:\n" + "\n".join(bad)
+

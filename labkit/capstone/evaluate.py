@@ -20,7 +20,7 @@ shape (the last batch is padded to full size), so each window's loss is
 the same float32 as in one process; the sums are float64, and adding a few
 thousand float32 values of similar size in float64 rounds nothing, so the
 order (rank 0's part + rank 1's part, or all in a row) cannot change the
-result. ``tests/test_capstone_eval.py`` asserts ``==`` for 1, 2, 3 and 4 ranks.
+result. ``tests/capstone/test_capstone_eval.py`` asserts ``==`` for 1, 2, 3 and 4 ranks.
 """
 from __future__ import annotations
 

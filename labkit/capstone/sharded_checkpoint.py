@@ -37,7 +37,7 @@ cannot stay bit-identical, for two reasons:
 2. dropout draws from per-rank RNG streams: N ranks draw N streams of masks
    for N slices of the batch, so other ranks means other masks.
 
-``tests/test_capstone_reshard.py`` asserts what can be asserted: the loaded
+``tests/capstone/test_capstone_reshard.py`` asserts what can be asserted: the loaded
 parameters and optimizer state equal the saved ones bit for bit (1, 2, 4
 ranks; FSDP2, DDP, one process), and training goes on with a loss close to the
 2-rank run's.

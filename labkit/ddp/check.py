@@ -15,7 +15,7 @@ Graded in the style of Stanford CS336 assignment 2, but stricter:
 
 The oracle is one process that holds the whole batch and computes
 ``mean over ranks of (mean loss on that rank's shard)`` — exactly what
-``torch.nn.parallel.DistributedDataParallel`` computes (tests/test_ddp.py
+``torch.nn.parallel.DistributedDataParallel`` computes (tests/ddp/test_ddp.py
 checks this).
 
 Example::

@@ -11,7 +11,7 @@ Two things happen on top of nbval when ``pytest`` runs the notebooks:
    exactly as ``python -m labkit grade`` does, and scores them here, in pytest's process, with the
    bank's key and checkers: a solved notebook must score full marks, an untouched student
    notebook zero. (The grader's own path — fresh kernel, time limits, hostile submissions — is
-   tested on small notebooks in ``tests/test_grade.py``.)
+   tested on small notebooks in ``tests/grading/test_grade.py``.)
 """
 from __future__ import annotations
 

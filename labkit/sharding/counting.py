@@ -5,7 +5,7 @@ The issue with "ZeRO-3 sends 1.5x what DDP sends" is that it is usually *compute
 operation that reaches PyTorch's dispatcher in this rank — DDP's bucket all-reduces from inside
 its C++ reducer, FSDP2's all-gathers and reduce-scatters, ``ZeroRedundancyOptimizer``'s
 broadcasts, tensor parallelism's functional all-reduces and the ``isend``/``irecv`` of a
-hand-written ring — whoever issued them (``tests/test_sharding.py`` checks each). The code under
+hand-written ring — whoever issued them (``tests/sharding/test_sharding.py`` checks each). The code under
 test cannot skip the count.
 
 For each call it records the kind, the payload ``S`` (the bytes of the whole tensor being

@@ -1,7 +1,7 @@
 """Adam and SGD with momentum written out: the optimizer state ZeRO shards (notebook 06 §1, §4, §12).
 
 These compute exactly what ``torch.optim.Adam`` and ``torch.optim.SGD(momentum=...)`` compute
-with their default (single-tensor, non-fused) arithmetic (``tests/test_sharding.py`` checks it
+with their default (single-tensor, non-fused) arithmetic (``tests/sharding/test_sharding.py`` checks it
 bit for bit), and they take the same constructor arguments, so a learner's sharded optimizer
 can be handed either. Two reasons to have them:
 

@@ -13,7 +13,7 @@ it keeps, as :mod:`labkit.common.timeline` spans (``lk.plots.timeline`` draws th
 
 On gloo (torch 2.13) a ``reduce_scatter_tensor`` runs as ``gloo:all_reduce`` inside the
 ``c10d::_reduce_scatter_base_`` call: gloo has no reduce-scatter of its own for this call, so
-the wire carries a whole all-reduce (``tests/test_claims_sharding.py``). The span keeps the
+the wire carries a whole all-reduce (``tests/claims/test_claims_sharding.py``). The span keeps the
 name of what was asked for, ``reduce_scatter``.
 
 Times are each rank's own, from the start of its trace, right after the barrier.

@@ -359,4 +359,4 @@ def test_cli_usage_errors(tmp_path):
 # The lab's own notebooks are graded in the same run as nbval executes them (one execution,
 # two verdicts): labkit/pytest_plugin.py adds a `grade` item after each notebook's last cell,
 # full marks for solutions/, zero ("unanswered"/"not done") for notebooks/. Its ability to fail
-# is tested in tests/test_pytest_plugin.py.
+# is tested in tests/grading/test_pytest_plugin.py.

@@ -1,7 +1,7 @@
 """Answers to notebook 06's exercises for the checker tests: right ones, and the classic wrong ones.
 
 The right answers are the notebook's solutions (solutions/06_sharding.ipynb); each wrong one is
-a mistake a learner makes, and tests/test_sharding_check.py asserts which named case it fails.
+a mistake a learner makes, and tests/sharding/test_sharding_check.py asserts which named case it fails.
 Registered with cloudpickle by value, so the ranks need not import this file.
 """
 from __future__ import annotations

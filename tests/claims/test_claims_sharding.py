@@ -6,18 +6,16 @@ a torch upgrade, the sentence is wrong for the new version: fix the prose, then 
 """
 from __future__ import annotations
 
-import inspect
-import re
 import sys
 from pathlib import Path
 
 import cloudpickle
-import nbformat
 import pytest
 import torch
 
+import _claims
 import labkit as lk
-from conftest import assert_no_ranks_left, needs_gpus
+from conftest import needs_gpus
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(120)
@@ -283,19 +281,5 @@ def test_fsdp2_without_a_mesh_moves_to_cuda_on_a_gpu_machine():
 
 
 # ------------------------------------------------------------------ the quotes
-def test_every_quoted_sentence_is_in_the_notebook():
-    nb = nbformat.read(ROOT / "solutions" / "06_sharding.ipynb", as_version=4)
-    text = " ".join(" ".join(c.source.replace("**", "").split()) for c in nb.cells)
-    tests = [fn for name, fn in inspect.getmembers(sys.modules[__name__], inspect.isfunction)
-             if name.startswith("test_") and name not in (
-                 "test_every_quoted_sentence_is_in_the_notebook", "test_no_rank_outlives_the_claims")]
-    for fn in tests:
-        quoted = re.findall(r"“(.+?)”", fn.__doc__ or "", re.S)
-        assert quoted, f"{fn.__name__} quotes no sentence of the notebook"
-        for sentence in quoted:
-            assert " ".join(sentence.split()) in text, (fn.__name__, sentence)
-
-
-def test_no_rank_outlives_the_claims():
-    lk.shutdown()
-    assert_no_ranks_left()
+def test_the_lab_says_what_these_tests_show():
+    _claims.check_quotes(sys.modules[__name__])
