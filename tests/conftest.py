@@ -80,6 +80,13 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def _is_zombie(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _ours() -> dict[int, psutil.Process]:
     """Live descendants of this process, and workers of torchrun jobs it launched (orphans too)."""
     procs = {p.pid: p for p in psutil.Process().children(recursive=True)}
@@ -107,7 +114,8 @@ def _started_here(p: psutil.Process, before: set[int]) -> bool:
 
 @contextlib.contextmanager
 def nothing_left_behind(grace: float = 5.0):
-    """Fail (and kill what is left) if the block leaves a process of its own running.
+    """Fail (and kill what is left) if the block leaves a process of its own running, or a child
+    of this process unreaped (a zombie: started, ended, never waited for).
 
     The runner's warm pool and zygotes are kept on purpose: :func:`labkit.runtime.managed_pids`.
     """
@@ -118,7 +126,9 @@ def nothing_left_behind(grace: float = 5.0):
 
     def leaked() -> list[psutil.Process]:
         keep = before | managed_pids()
-        return [p for pid, p in _ours().items() if pid not in keep and _started_here(p, before)]
+        return [p for pid, p in _ours().items() if pid not in keep and _started_here(p, before)
+                ] + [p for p in psutil.Process().children() if p.pid not in before
+                     and _is_zombie(p)]                             # unreaped children too
     end = time.monotonic() + grace
     while leaked() and time.monotonic() < end:   # a process may take a moment to be reaped
         time.sleep(0.05)

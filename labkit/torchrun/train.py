@@ -21,10 +21,15 @@ Runbook (from the repository root)::
       -m labkit.torchrun.train --snapshot-dir /shared/run3
 
 Fault tolerance: every ``--snapshot-every`` steps rank 0 writes a snapshot
-atomically (temp file + ``os.replace``): model, optimizer, every rank's RNG
-states, epoch, step and the sampler position. A (re)started run resumes from
-it, so a group restarted by torchrun ends with the same parameters, bit for
-bit, as a run that never failed. ``--crash-rank R --crash-at-step S`` makes
+(model, optimizer, every rank's RNG states, epoch, step and the sampler
+position) into its own folder ``step_NNNNNNNN/``, then a manifest of the file's
+size and SHA-256, written last and atomically (:mod:`labkit.common.checkpoints`).
+The newest ``--keep`` snapshots stay (default 2). A (re)started run resumes from
+the newest snapshot that matches its manifest: a truncated, zero-filled,
+overwritten or deleted one is skipped with a log line naming the file and the
+cause, and the run falls back to the one before; when none is whole the run
+stops with an error naming every file. So a group restarted by torchrun ends
+with the same parameters, bit for bit, as a run that never failed. ``--crash-rank R --crash-at-step S`` makes
 rank R raise at step S on the first attempt only (``TORCHELASTIC_RESTART_COUNT``
 is 0). On gloo set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's
 environment: with torch 2.13's shared rendezvous store, restarted gloo groups
@@ -32,8 +37,9 @@ often fail to connect (``Gloo connectFullMesh failed``).
 
 In Python: ``train(parse_args([...]))`` trains inside an already initialised
 process group; the lesson's ``lk.torchrun.reference([...], world_size=2)`` does that on
-warm lab ranks and returns the final parameters. This file imports only torch: it is the
-leaf a learner copies into their own project.
+warm lab ranks and returns the final parameters. This file imports only torch and
+:mod:`labkit.common.checkpoints` (plain Python): it is the leaf a learner copies into their own
+project, with that one file.
 """
 from __future__ import annotations
 
@@ -53,8 +59,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from ..common.checkpoints import Checkpoints, NoValidCheckpoint
+
 __all__ = ["make_dataset", "make_model", "parse_args", "train", "main",
            "ResumableSampler", "InjectedFault", "save_snapshot", "load_snapshot", "load_final",
+           "snapshots", "NoValidCheckpoint",
            "parse_log", "SNAPSHOT", "FINAL"]
 
 SNAPSHOT, FINAL = "snapshot.pt", "final.pt"
@@ -120,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--snapshot-dir", default="snapshots", help="'' to write nothing")
     p.add_argument("--snapshot-every", type=int, default=8, help="steps between snapshots")
+    p.add_argument("--keep", type=int, default=2, help="snapshots kept (the newest K, >= 1)")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (seconds)")
     p.add_argument("--crash-rank", type=int, default=None)
@@ -129,20 +139,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def save_snapshot(path: str | Path, state: dict) -> None:
-    """Write ``state`` so that ``path`` always holds a whole snapshot: temp file, fsync, rename."""
+    """Write ``state`` so that ``path`` always holds a whole file: temp file, fsync, rename."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a crash mid-write leaves the previous snapshot intact
+    os.replace(tmp, path)  # atomic: a crash mid-write leaves no half file under this name
 
 
-def load_snapshot(snapshot_dir: str | Path) -> dict | None:
-    """The latest snapshot in ``snapshot_dir``, or None when there is none."""
-    path = Path(snapshot_dir) / SNAPSHOT
-    return torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
+def snapshots(snapshot_dir: str | Path, keep: int = 2, log=print) -> Checkpoints:
+    """The run's snapshot folders: rotation (the newest ``keep``) and verification."""
+    return Checkpoints(snapshot_dir, keep, log)
+
+
+def load_snapshot(snapshot_dir: str | Path, log=print) -> dict | None:
+    """The newest snapshot in ``snapshot_dir`` that matches its manifest (older ones are tried
+    when it is damaged, each skip logged), or None when there is none; raises
+    :class:`~labkit.common.checkpoints.NoValidCheckpoint` naming every file when none is whole.
+    """
+    found = snapshots(snapshot_dir, log=log).latest()
+    if found is None:
+        return None
+    return torch.load(found.path / SNAPSHOT, map_location="cpu", weights_only=True)
 
 
 def load_final(snapshot_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -232,15 +252,18 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
                         generator=torch.Generator())       # keeps the global RNG out of the loader
     step, epoch, done = 0, 0, 0
     snap_dir = Path(cfg.snapshot_dir) if cfg.snapshot_dir else None
-    snap = load_snapshot(snap_dir) if snap_dir else None
-    if snap is not None:
+    say = (lambda msg: print(msg, flush=True)) if master else (lambda msg: None)
+    snaps = snapshots(snap_dir, cfg.keep, say) if snap_dir else None
+    found = snaps.latest() if snaps else None          # every rank checks the same files
+    if found is not None:
+        snap = torch.load(found.path / SNAPSHOT, map_location="cpu", weights_only=True)
         _check_resumable(snap, cfg, snap_dir)
         step, epoch, done = _restore(snap, model, opt, rank, world_size, device)
-        if master:
-            print(f"resumed from {snap_dir / SNAPSHOT}: step {step}, epoch {epoch}, sample {done} "
-                  f"of {cfg.samples} (attempt {attempt})", flush=True)
+        say(f"resumed from {found.path}: step {step}, epoch {epoch}, sample {done} "
+            f"of {cfg.samples} (attempt {attempt})")
     elif snap_dir and master:
         snap_dir.mkdir(parents=True, exist_ok=True)
+    say(f"training on {device} ({world_size} rank{'s' * (world_size > 1)})")
     if ddp:                                                                    # [ddp]
         model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # [ddp]
     raw = model.module if ddp else model                                       # [ddp]
@@ -268,8 +291,8 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
                                       loss=mean.item() / world_size, attempt=attempt), flush=True)
             if done == cfg.samples:
                 epoch, done = epoch + 1, 0
-            if snap_dir and cfg.snapshot_every and step % cfg.snapshot_every == 0:
-                _snapshot(snap_dir, raw, opt, step, epoch, done, world_size, device, ddp, master, cfg)
+            if snaps and cfg.snapshot_every and step % cfg.snapshot_every == 0:
+                _snapshot(snaps, raw, opt, step, epoch, done, world_size, device, ddp, master, cfg)
             if cfg.step_delay:
                 time.sleep(cfg.step_delay)
     params = {k: v.detach().cpu().clone() for k, v in raw.state_dict().items()}
@@ -279,7 +302,7 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
     return params
 
 
-def _snapshot(snap_dir, raw, opt, step, epoch, done, world_size, device, ddp, master, cfg) -> None:
+def _snapshot(snaps, raw, opt, step, epoch, done, world_size, device, ddp, master, cfg) -> None:
     rngs = [None] * world_size
     if ddp:                                                                    # [ddp]
         dist.all_gather_object(rngs, _rng_state(device))   # every rank's RNG, kept by rank 0  # [ddp]
@@ -287,12 +310,12 @@ def _snapshot(snap_dir, raw, opt, step, epoch, done, world_size, device, ddp, ma
         rngs = [_rng_state(device)]
     if master:                                              # one writer; everyone reads it back
         t0 = time.perf_counter()
-        save_snapshot(snap_dir / SNAPSHOT, {
-            "model": raw.state_dict(), "optimizer": opt.state_dict(), "rng": rngs,
-            "step": step, "epoch": epoch, "samples_in_epoch": done, "world_size": world_size,
-            "config": {k: v for k, v in vars(cfg).items() if not k.startswith("crash")}})
-        print(f"snapshot: step {step} -> {snap_dir / SNAPSHOT} "
-              f"({time.perf_counter() - t0:.3f} s)", flush=True)
+        with snaps.writing(step, meta={"step": step, "world_size": world_size}) as folder:
+            save_snapshot(folder / SNAPSHOT, {
+                "model": raw.state_dict(), "optimizer": opt.state_dict(), "rng": rngs,
+                "step": step, "epoch": epoch, "samples_in_epoch": done, "world_size": world_size,
+                "config": {k: v for k, v in vars(cfg).items() if not k.startswith("crash")}})
+        print(f"snapshot: step {step} -> {folder} ({time.perf_counter() - t0:.3f} s)", flush=True)
 
 
 _LOG = "step {step:4d}/{total} | epoch {epoch} | loss {loss:.6f} | attempt {attempt}"

@@ -66,14 +66,64 @@ def test_snapshot_write_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         T.save_snapshot(path, {"step": 16, "w": torch.zeros(3)})
     monkeypatch.undo()
-    snap = T.load_snapshot(tmp_path)           # the previous snapshot is intact
+    snap = torch.load(path, weights_only=True)  # the previous file is intact
     assert snap["step"] == 8 and torch.equal(snap["w"], torch.ones(3))
+
+
+def test_snapshots_keep_the_newest_k_each_with_its_manifest(tmp_path):
+    quiet_train(["--snapshot-dir", str(tmp_path), "--epochs", "1", "--keep", "3"])   # 16 steps
+    folders = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert folders == ["step_00000008", "step_00000016"]
+    quiet_train(["--snapshot-dir", str(tmp_path / "b"), "--epochs", "2", "--keep", "2"])
+    assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_dir()) == \
+        ["step_00000024", "step_00000032"]
+    assert all((tmp_path / "b" / f / "MANIFEST.json").exists() for f in ("step_00000024",
+                                                                       "step_00000032"))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _zero_fill(path: Path) -> None:
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+DAMAGE = {"truncated": _truncate, "zero-filled": _zero_fill, "deleted": Path.unlink}
+
+
+@pytest.mark.parametrize("crash_at, newest, fallback", [(21, 16, 8), (45, 40, 32)])
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_newest_snapshot_falls_back_and_ends_bit_identical(
+        tmp_path, uninterrupted, crash_at, newest, fallback, damage):
+    with pytest.raises(T.InjectedFault):
+        quiet_train(["--snapshot-dir", str(tmp_path), "--crash-rank", "0",
+                     "--crash-at-step", str(crash_at)])
+    bad = tmp_path / f"step_{newest:08d}" / T.SNAPSHOT
+    DAMAGE[damage](bad)
+    params, log = quiet_train(["--snapshot-dir", str(tmp_path)])
+    assert f"checkpoint {bad.parent} is not usable: {bad}" in log, log   # names the file
+    assert f"step {fallback}, " in log.split("resumed from", 1)[1].split("\n", 1)[0]
+    assert equal(params, uninterrupted)
+
+
+def test_with_no_whole_snapshot_the_run_stops_naming_every_file(tmp_path):
+    with pytest.raises(T.InjectedFault):
+        quiet_train(["--snapshot-dir", str(tmp_path), "--crash-rank", "0", "--crash-at-step", "21"])
+    _truncate(tmp_path / "step_00000016" / T.SNAPSHOT)
+    _zero_fill(tmp_path / "step_00000008" / T.SNAPSHOT)
+    with pytest.raises(T.NoValidCheckpoint) as info:
+        quiet_train(["--snapshot-dir", str(tmp_path)])
+    msg = str(info.value)
+    assert "all 2 are damaged" in msg and "truncated" in msg and "checksum mismatch" in msg
+    assert str(tmp_path / "step_00000016" / T.SNAPSHOT) in msg
+    assert str(tmp_path / "step_00000008" / T.SNAPSHOT) in msg
 
 
 def test_resume_in_one_process_is_bit_identical(tmp_path, uninterrupted):
     with pytest.raises(T.InjectedFault, match="rank 0 crashes at step 21"):
         quiet_train(["--snapshot-dir", str(tmp_path), "--crash-rank", "0", "--crash-at-step", "21"])
-    assert T.load_snapshot(tmp_path)["step"] == 16
+    assert T.load_snapshot(tmp_path, log=lambda msg: None)["step"] == 16
     params, log = quiet_train(["--snapshot-dir", str(tmp_path)])
     assert "resumed from" in log and "step 16, epoch 1, sample 0" in log
     assert [s for s, _, _ in T.parse_log(log.splitlines())] == list(range(17, 65))
@@ -189,7 +239,9 @@ def test_a_snapshot_from_two_ranks_resumes_on_one(tmp_path):
 @pytest.mark.gpu
 def test_one_process_on_a_gpu(tmp_path):
     params, log = quiet_train(["--snapshot-dir", str(tmp_path), "--epochs", "1"])
+    assert "training on cuda:0 (1 rank)" in log, log            # it trained on the GPU,
     assert "done: 16 steps" in log and all(v.device.type == "cpu" for v in params.values())
+    assert all(torch.isfinite(v).all() for v in params.values())   # and hands back CPU tensors
 
 
 def test_docstring_runbook_names_the_commands():
