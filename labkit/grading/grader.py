@@ -53,12 +53,13 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .bank import Bank, BankError, all_banks, bank_dir
 from .kernel import execute
-from .sandbox import score_in_sandbox
+from .sandbox import score_in_sandbox, score_trusted
 from .score import MARKS, Score
 from .scoring import score
 
@@ -207,17 +208,19 @@ def grade_notebook(path: str | os.PathLike, opts: Options | None = None) -> dict
 
 
 def score_collected(bank: Bank, collected: dict[str, tuple[str, Any]],
-                    opts: Options | None = None) -> list[Score]:
+                    opts: Options | None = None, trusted: bool = False) -> list[Score]:
     """Score every question of ``bank`` from the values collected out of a kernel.
 
     ``collected`` is what :func:`labkit.grading.kernel.read_values` returns: plain answers are
     scored here; exercises and computed questions, which run the submission's own objects, in
     the checker process (:func:`labkit.grading.sandbox.score_in_sandbox`). The lab's pytest
-    plugin grades nbval's own kernel with this too.
+    plugin grades nbval's own kernel with this too, with ``trusted=True``: the lab's own
+    notebooks are scored in this process (:func:`labkit.grading.sandbox.score_trusted`).
     """
     opts = opts or Options()
     remote = [q for q in bank.questions.values() if q.runs_submission_code]
-    sandboxed = score_in_sandbox(bank, remote, collected, opts.check_timeout)
+    score_remote = score_trusted if trusted else partial(score_in_sandbox, bank)
+    sandboxed = score_remote(remote, collected, opts.check_timeout)
     return [sandboxed[q.id] if q.runs_submission_code else _score_plain(q, collected)
             for q in bank.questions.values()]
 

@@ -8,10 +8,11 @@ Two things happen on top of nbval when ``pytest`` runs the notebooks:
    (student notebooks must run clean with nothing answered).
 2. **Each notebook is graded in the same run** — one execution, two verdicts. After nbval's last
    cell, an extra item ``grade`` collects the bank's answer variables from nbval's live kernel
-   exactly as ``python -m labkit grade`` does, and scores them here, in pytest's process, with the
-   bank's key and checkers: a solved notebook must score full marks, an untouched student
-   notebook zero. (The grader's own path — fresh kernel, time limits, hostile submissions — is
-   tested on small notebooks in ``tests/grading/test_grade.py``.)
+   exactly as ``python -m labkit grade`` does, and scores them with the bank's key and checkers
+   here, in pytest's process (the lab's own notebooks are trusted, so no checker process is
+   started for them): a solved notebook must score full marks, an untouched student notebook
+   zero. (The grader's own path — fresh kernel, time limits, the checker process, hostile
+   submissions — is tested on small notebooks in ``tests/grading/test_grade.py``.)
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class GradeItem(pytest.Item):
             msg_id = kernel.execute_cell_input(collector_source(bank.names, tmp, bank.pickled))
             kernel.await_idle(msg_id, opts.collect_timeout)
             collected = read_values(Path(tmp), bank.names)
-        scores = score_collected(bank, collected, opts)
+        scores = score_collected(bank, collected, opts, trusted=True)   # the lab's own notebook
         self.user_properties.append(("points", sum(s.points for s in scores)))
         problem = lesson_grade_problems(scores, solved=_lesson_folder(path) == "solutions")
         assert problem is None, problem

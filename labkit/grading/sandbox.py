@@ -32,7 +32,7 @@ from .bank import Bank, Question, load_bank
 from .exercise import Case
 from .score import Score
 
-__all__ = ["score_in_sandbox", "TOKEN_VAR", "KEY_TIMEOUT_S"]
+__all__ = ["score_in_sandbox", "score_trusted", "TOKEN_VAR", "KEY_TIMEOUT_S"]
 
 TOKEN_VAR = "LABKIT_SANDBOX_TOKEN"
 KEY_TIMEOUT_S = 60.0     # a quiz key is quick; an exercise gets the grader's check timeout
@@ -112,22 +112,22 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-def _load(folder: Path, name: str, states: dict) -> tuple[str, Any]:
+def _load(states: dict, name: str) -> tuple[str, Any]:
     state, data = states.get(name, ("lost", ""))
     if state != "pickle":
         return state, data
     import cloudpickle
 
     try:
-        return "ok", cloudpickle.loads((folder / f"{name}.pkl").read_bytes())
+        return "ok", cloudpickle.loads(data)
     except Exception as exc:  # noqa: BLE001
         return "error", f"could not be loaded: {type(exc).__name__}: {exc}"
 
 
-def _score_one(q: Question, folder: Path, states: dict, check_timeout: float) -> Score:
+def _score_one(q: Question, states: dict, check_timeout: float) -> Score:
     from .scoring import score
 
-    state, value = _load(folder, q.variable, states)
+    state, value = _load(states, q.variable)
     if state == "lost":
         return Score(q.id, 0.0, q.points, "error", "not graded: the answers could not be "
                      "collected from the kernel (see the notes)")
@@ -135,7 +135,7 @@ def _score_one(q: Question, folder: Path, states: dict, check_timeout: float) ->
         return Score(q.id, 0.0, q.points, "error", f"{q.variable} could not be collected: {value}")
     inputs = {}
     for name in q.inputs:
-        s, v = _load(folder, name, states)
+        s, v = _load(states, name)
         inputs[name] = v if s == "ok" else None
     limit = check_timeout if q.kind == "exercise" else KEY_TIMEOUT_S
     try:
@@ -151,15 +151,24 @@ def _score_one(q: Question, folder: Path, states: dict, check_timeout: float) ->
     return s
 
 
+def score_trusted(questions: list[Question], collected: dict[str, tuple],
+                  check_timeout: float) -> dict[str, Score]:
+    """Score ``questions`` in THIS process: only for notebooks the lab itself wrote (its
+    ``solutions/`` and untouched ``notebooks/``, graded by the test suite), never for a
+    submission. It saves a checker process, and its cold start, per notebook."""
+    return {q.id: _score_one(q, collected, check_timeout) for q in questions}
+
+
 def main(argv: list[str] | None = None) -> int:
     folder = Path((sys.argv[1:] if argv is None else argv)[0])
     request = json.loads((folder / "request.json").read_text())
     bank = load_bank(request["bank"])
+    states = {name: (state, (folder / f"{name}.pkl").read_bytes() if state == "pickle" else data)
+              for name, (state, data) in request["states"].items()}
     try:
         with open(folder / "results.jsonl", "a") as out:
             for qid in request["questions"]:
-                s = _score_one(bank.questions[qid], folder, request["states"],
-                               request["check_timeout"])
+                s = _score_one(bank.questions[qid], states, request["check_timeout"])
                 out.write(json.dumps(s.to_dict(), default=str) + "\n")
                 out.flush()
     finally:

@@ -297,7 +297,8 @@ class Lab:
                 collected = read_values(Path(tmp), bank.names)
         finally:
             kc.stop_channels()
-        return lesson_grade_problems(score_collected(bank, collected, opts), solved=False)
+        return lesson_grade_problems(score_collected(bank, collected, opts, trusted=True),
+                                     solved=False)   # the lab's own notebook: no sandbox
 
     def shutdown_kernels(self, within: float = 10.0) -> list[str]:
         """Shut every kernel down through the server; kill what outlives it and describe it."""
