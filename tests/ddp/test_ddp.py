@@ -43,6 +43,7 @@ def _train_all_variants(rank, world_size, steps, lr, seed):
 
     from labkit.ddp import BucketedDDP, NaiveDDP
     from labkit.ddp.check import TiedTiny, shard_batches
+    from labkit.ddp.oracle import state_of
 
     def reference_init():
         torch.manual_seed(seed)
@@ -75,8 +76,7 @@ def _train_all_variants(rank, world_size, steps, lr, seed):
                 for p in model.parameters():
                     if p.grad is not None:
                         p.sub_(p.grad, alpha=lr)
-            history.append({"grads": grads,
-                            "params": {n: p.detach().clone() for n, p in model.named_parameters()}})
+            history.append({"grads": grads, "params": state_of(model)})
         out[name] = {"history": history, "calls": getattr(ddp, "allreduce_calls", None),
                      "buckets": getattr(ddp, "buckets", None)}
     return out
