@@ -33,12 +33,14 @@ Example (inside a rank)::
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
 import struct
 
-__all__ = ["Watch", "tcp_bytes_sent", "recorded_collectives", "last_record_id", "ALLOWED"]
+__all__ = ["Watch", "tcp_bytes_sent", "recorded_collectives", "recorded", "last_record_id",
+           "ALLOWED"]
 
 # Synchronisation without data: not a way to all-reduce, so an answer may use it.
 ALLOWED = ("gloo:barrier",)
@@ -59,10 +61,19 @@ def last_record_id() -> int:
     return max((e["record_id"] for e in _entries()), default=-1)
 
 
+def recorded(since: int) -> list[tuple[str, int]]:
+    """``(name, input elements)`` of each collective gloo ran here after entry ``since``."""
+    out = []
+    for e in sorted(_entries(), key=lambda e: e["record_id"]):
+        if e["record_id"] > since:
+            numel = sum(math.prod(shape) for shape in e.get("input_sizes") or [])
+            out.append((e["profiling_name"], int(numel)))
+    return out
+
+
 def recorded_collectives(since: int) -> list[str]:
     """Collectives gloo ran in this process after entry ``since``: ``["gloo:all_reduce", ...]``."""
-    return [e["profiling_name"] for e in sorted(_entries(), key=lambda e: e["record_id"])
-            if e["record_id"] > since]
+    return [name for name, _ in recorded(since)]
 
 
 def tcp_bytes_sent() -> int | None:
