@@ -209,11 +209,11 @@ def test_bucketed_ddp_survives_parameters_unused_on_some_ranks():
     res = lk.run(_unused_parameter, 2, timeout=10, echo=False)
     g0, g1 = res.values
     for name in g0:
-        assert torch.equal(g0[name], g1[name]), name
+        assert (g0[name] is None and g1[name] is None) or torch.equal(g0[name], g1[name]), name
     # rank 0 used only "a": the average is half of rank 0's local gradient (ones * 1 / 2)
     assert torch.allclose(g0["a.weight"], torch.full((3, 3), 0.5))
     assert torch.allclose(g0["b.weight"], torch.full((3, 3), 1.0))   # 2 / 2 from rank 1
-    assert torch.equal(g0["never.weight"], torch.zeros(3, 3))
+    assert g0["never.weight"] is None and g0["never.bias"] is None   # no rank used it
 
 
 def test_no_rank_outlives_the_tests():
