@@ -6,11 +6,6 @@ whose only flaw is the traffic run on 3.
 """
 from __future__ import annotations
 
-import datetime
-import itertools
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,8 +14,7 @@ import labkit as lk
 from labkit.collectives import check as ringcheck
 
 from test_collectives import solution_ring   # the notebook's solution
-
-_STORES = itertools.count()
+from test_watch import _own_gloo_group as own_gloo_on_a_file_store   # no torch.distributed API
 
 
 # ---------------------------------------------------------------- lazy and wrong answers
@@ -44,15 +38,6 @@ def backend_object(tensor):
 
 def own_group(tensor):
     dist.all_reduce(tensor, group=dist.new_group(backend="gloo"))
-
-
-def own_gloo_on_a_file_store(tensor):
-    """A ProcessGroupGloo built by hand on a FileStore: no torch.distributed function at all."""
-    import torch._C._distributed_c10d as c10d
-    rank, n = dist.get_rank(), dist.get_world_size()
-    path = os.path.join(tempfile.gettempdir(), f"labkit-cheat-{os.getppid()}-{next(_STORES)}")
-    pg = c10d.ProcessGroupGloo(dist.FileStore(path, n), rank, n, datetime.timedelta(seconds=5))
-    pg.allreduce([tensor]).wait()
 
 
 def gather_then_add(tensor):
