@@ -11,7 +11,7 @@ DDP wrap). Equal numbers are not enough, since one process training alone in eac
 ends with them too: each worker also reports (:func:`_watched`) the DistributedSampler it
 built and the collectives gloo ran for it (its flight recorder: see
 :mod:`labkit.collectives.watch`), so a worker must shard the data and all-reduce every
-gradient every step. :func:`reference` is the uninterrupted run a restarted one is compared
+gradient every step; the other cases count only for such a run. :func:`reference` is the uninterrupted run a restarted one is compared
 with.
 """
 from __future__ import annotations
@@ -172,15 +172,25 @@ def check_torchrun_exercise(fn) -> list:
                                                f"model.module.state_dict() on every rank")
         return f"torchrun --nproc-per-node={world}, train_ddp({kwtext}), both ranks exit 0"
 
-    def same():
+    def sync_problem() -> str | None:
+        return next((p for p in (_sync_problem(r, world, kw) for r in reports) if p), None)
+
+    def data_parallel():
+        """The other cases grade a data-parallel script: one process alone passes them idly."""
         runs()
+        if sync_problem():
+            raise AssertionError("not counted: the workers did not train data-parallel (see "
+                                 "'shards the data and all-reduces the gradients')")
+
+    def same():
+        data_parallel()
         d, name = _max_diff(values[0], values[1])
         assert d == 0.0, (f"rank 0 and rank 1 ended with different parameters (max |diff| "
                           f"{d:.2e} in {name}): their gradients were never averaged. Wrap the "
                           f"model: model = DistributedDataParallel(model)")
 
     def matches():
-        runs()
+        data_parallel()
         want = oracle(**kw)
         d, name = _max_diff(values[0], want)
         if d <= 1e-5:
@@ -196,19 +206,19 @@ def check_torchrun_exercise(fn) -> list:
 
     def synced():
         runs()
-        problem = next((p for p in (_sync_problem(r, world, kw) for r in reports) if p), None)
+        problem = sync_problem()
         assert problem is None, problem
         return "every rank trained on its own DistributedSampler shard and all-reduced its " \
                "gradients every step (gloo's flight recorder)"
 
     def destroyed():
-        runs()
+        data_parallel()
         left = [r["rank"] for r in reports if r.get("pg_left")]
         assert not left, (f"rank(s) {left} returned with the process group still initialised: "
                           f"call dist.destroy_process_group() in a finally: block")
 
     def quiet():
-        runs()
+        data_parallel()
         noisy = [r for r in reports if r["rank"] != 0 and r.get("stdout", "").strip()]
         assert not noisy, (f"rank {noisy[0]['rank']} printed "
                            f"{noisy[0]['stdout'].strip().splitlines()[0]!r}: log only on rank 0 "

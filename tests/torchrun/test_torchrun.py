@@ -349,7 +349,10 @@ def test_exercise_diagnoses_wrong_parameters(monkeypatch, mistake, words):
     from labkit.torchrun import check as TE
 
     params = TE.oracle(**{**TE.EXERCISE_KWARGS, **mistake})
-    fake = FunctionRun([{"rank": r, "error": None, "value": {"value": params}, "pg_left": False,
+    n = sum(p.numel() for p in T.make_model(dropout=0.0).parameters())
+    seen = lambda r: {"value": params, "collectives": [("gloo:all_reduce", n)] * 64,   # noqa: E731
+                      "samplers": [{"replicas": 2, "rank": r, "epochs": [0, 1]}]}
+    fake = FunctionRun([{"rank": r, "error": None, "value": seen(r), "pg_left": False,
                          "stdout": ""} for r in (0, 1)], None)
     monkeypatch.setattr(TE, "run_function", lambda *a, **k: fake)
     cases = {c.name: c for c in TE.check_torchrun_exercise(solution)}
