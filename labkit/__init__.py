@@ -10,7 +10,8 @@ The package's layout is the syllabus: :mod:`labkit.runtime` runs ranks and owns 
 the lab starts; :mod:`labkit.grading` scores quizzes and exercises; :mod:`labkit.diagnosis`
 reads failed jobs; :mod:`labkit.common` holds what every lesson shares; then one subpackage
 per lesson, each with its content modules and a ``check.py`` for its exercise checkers:
-``parallelism`` (01), ``ddp`` (02), ``collectives`` (03), ``pitfalls`` (04), ``torchrun`` (05).
+``parallelism`` (01), ``ddp`` (02), ``collectives`` (03), ``pitfalls`` (04), ``torchrun`` (05),
+``sharding`` (06), ``capstone`` (08).
 A lesson imports only the layers below it and earlier lessons' shared pieces, never a later
 lesson.
 
@@ -39,6 +40,8 @@ HANDLES = {
     "pitfalls": "pitfalls", "diagnosis": "diagnosis",                      # notebook 04
     "nccl_capture": "pitfalls.nccl_capture",
     "torchrun": "torchrun", "train": "torchrun.train",                     # notebook 05
+    "sharding": "sharding",                                                # notebook 06
+    "capstone": "capstone",                                                # notebook 08
 }
 
 __all__ = ["run", "warmup", "shutdown", "diagnose", "JobResult", "RankResult", "MAX_WORLD_SIZE",

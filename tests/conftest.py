@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -87,6 +89,22 @@ def _ours() -> dict[int, psutil.Process]:
     return {pid: p for pid, p in procs.items() if _alive(p)}
 
 
+def _started_here(p: psutil.Process, before: set[int]) -> bool:
+    """Did the test start ``p``? Its nearest ancestor that already lived before the test is
+    this process, a rank launcher (its ranks must be gone or warm), or none (an orphan).
+    Processes a long-lived fixture's own process starts (a browser's helpers, kernels of a
+    JupyterLab server, which its test shuts down and checks itself) belong to that fixture."""
+    try:
+        for parent in p.parents():
+            if parent.pid == os.getpid():
+                return True
+            if parent.pid in before:
+                return any("labkit.runtime.zygote" in part for part in parent.cmdline())
+    except psutil.Error:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def nothing_left_behind(grace: float = 5.0):
     """Fail (and kill what is left) if the block leaves a process of its own running.
@@ -100,7 +118,7 @@ def nothing_left_behind(grace: float = 5.0):
 
     def leaked() -> list[psutil.Process]:
         keep = before | managed_pids()
-        return [p for pid, p in _ours().items() if pid not in keep]
+        return [p for pid, p in _ours().items() if pid not in keep and _started_here(p, before)]
     end = time.monotonic() + grace
     while leaked() and time.monotonic() < end:   # a process may take a moment to be reaped
         time.sleep(0.05)
@@ -131,3 +149,27 @@ gpu = pytest.mark.gpu
 needs_gpus = lambda n: pytest.mark.skipif(not has_gpus(n), reason=f"needs {n} CUDA GPUs")  # noqa: E731
 
 os.environ.setdefault("LABKIT_PRESTART", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each student notebook executes once: where the browser test runs it in JupyterLab (and
+    grades its kernel), nbval does not run ``notebooks/NN.ipynb`` again. Without a browser, or
+    when the browser test is not collected, nbval runs them as usual."""
+    browsed = {m.group(1) for item in items
+               if (m := re.search(r"test_notebook_in_jupyterlab\[(.+)\]$", item.nodeid))}
+    if not browsed or not _browser_available():
+        return
+    twice = [item for item in items if item.nodeid.startswith("notebooks/")
+             and Path(str(item.fspath)).stem in browsed]
+    if twice:
+        config.hook.pytest_deselected(items=twice)
+        items[:] = [item for item in items if item not in twice]
+
+
+def _browser_available() -> bool:
+    sys.path.insert(0, str(Path(__file__).parent / "notebooks"))
+    try:
+        from browser_helpers import missing
+    finally:
+        sys.path.pop(0)
+    return not missing()

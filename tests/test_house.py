@@ -132,9 +132,9 @@ def test_every_handle_and_attribute_the_notebooks_use_exists():
         for handle, attr in set(re.findall(r"\blk\.([a-z_]+)(?:\.([A-Za-z_]\w*))?", source)):
             try:
                 obj = getattr(lk, handle)
-                if attr and not attr.startswith("__"):
-                    getattr(obj, attr)
-            except AttributeError as exc:
+                if attr and not attr.startswith("__") and not hasattr(obj, attr):
+                    importlib.import_module(f"{obj.__name__}.{attr}")   # a submodule
+            except (AttributeError, ImportError) as exc:
                 missing.append(f"{path.name}: lk.{handle}{'.' + attr if attr else ''} ({exc})")
     assert not missing, "\n".join(sorted(set(missing)))
 
@@ -159,7 +159,7 @@ def test_every_module_named_in_commands_and_docs_exists():
 def test_every_python_m_labkit_command_is_a_command():
     bad = []
     for where, text in _texts():
-        for cmd, sub in re.findall(r"-m labkit ([\w-]+|[[{]\S*)(?: (\w+))?", text):
+        for cmd, sub in re.findall(r"-m labkit ([\w-]+|[\[{]\S*)(?: (\w+))?", text):
             if cmd.startswith(("[", "{", "COMMAND", "NAME")):
                 continue
             if cmd not in COMMANDS:
@@ -173,3 +173,14 @@ def test_every_python_m_labkit_command_is_a_command():
                                           {m for m, _ in BENCHMARKS.values()}))
 def test_every_command_module_has_a_main(module):
     assert callable(getattr(importlib.import_module(module), "main", None))
+
+
+def test_every_test_file_named_in_docs_and_code_exists():
+    """The docs and the notebooks cite the tests that back their claims: those paths must exist."""
+    texts = _texts() + [(str(p.relative_to(ROOT)), p.read_text()) for p in
+                        [*(ROOT / "tests").rglob("*.py"), *(ROOT / "tests").rglob("*.sh"),
+                         *(ROOT / "notebooks").glob("*.md"), *PKG.rglob("*.md")]]
+    bad = sorted({f"{where}: {path}" for where, text in texts
+                  for path in re.findall(r"tests/[\w/]+\.py", text) if not (ROOT / path).exists()})
+    assert not bad, "test files that do not exist:\n" + "\n".join(bad)
+

@@ -4,7 +4,9 @@
 * :mod:`~labkit.common.models` — the small models lessons train;
 * :mod:`~labkit.common.timeline` — spans measured inside ranks, on one time axis;
 * :mod:`~labkit.common.plots` — every picture of the lab (``lk.plots``);
-* :mod:`~labkit.common.progress` — progress bars for anything longer than a few seconds.
+* :mod:`~labkit.common.progress` — progress bars for anything longer than a few seconds;
+* :mod:`~labkit.common.checkpoints` — keep the last K checkpoints, prove each whole, fall back
+  (notebook 05's script and notebook 08's capstone).
 
 No lesson is imported from here: lessons import these, never the other way round.
 """

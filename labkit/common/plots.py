@@ -32,7 +32,8 @@ __all__ = ["KIND_COLORS", "rank_color", "timeline", "gradient_inspector", "per_r
 
 KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "all_reduce": "#55A868",
                "step": "#8172B3", "idle": "#D9D9D9", "send": "#C44E52", "recv": "#C44E52",
-               "broadcast": "#937860", "data": "#64B5CD"}
+               "broadcast": "#937860", "data": "#64B5CD", "all_gather": "#2A9D8F",
+               "reduce_scatter": "#E76F51"}
 
 
 def rank_color(rank: int) -> str:

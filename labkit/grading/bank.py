@@ -58,6 +58,12 @@ class Question:
         """The labels of the choices: ``"abcd"`` for four choices."""
         return "abcdefghijklmnopqrstuvwxyz"[:len(self.choices)]
 
+    @property
+    def runs_submission_code(self) -> bool:
+        """Scoring it runs the submission's own objects: an exercise's function under its
+        checker, or a key on the notebook's inputs (the grader does that in a sandbox)."""
+        return self.kind == "exercise" or self.key is not None
+
 
 @dataclass
 class Bank:
@@ -78,6 +84,12 @@ class Bank:
             for name in q.inputs:
                 seen[name] = None
         return list(seen)
+
+    @property
+    def pickled(self) -> set[str]:
+        """The variables that cannot cross as plain data: exercise functions and key inputs."""
+        return {n for q in self.questions.values()
+                for n in ([q.variable] if q.kind == "exercise" else []) + list(q.inputs)}
 
     @property
     def max_points(self) -> float:

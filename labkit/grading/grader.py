@@ -18,11 +18,14 @@ For each submission the grader
    (the cell is skipped and the notebook re-run without it), deadlocked ranks
    (cell timeout; the runner kills the ranks); no process is left behind;
 4. collects every bank ``variable`` (answers and exercise functions) and key
-   ``inputs`` from the kernel, then scores them **in this process** with
-   :func:`labkit.grading.scoring.score` (exercises: their checker) — the bank's
-   key and checkers. Printed output and check cells are never read, so a
-   notebook that prints "100/100" or edits its check cells gains nothing.
-   Each exercise check has its own time limit (``--check-timeout``).
+   ``inputs`` from the kernel and scores them with the bank's own key and
+   checkers (:func:`labkit.grading.scoring.score`): answers cross as plain data
+   (JSON) and are scored in this process; exercise functions and a key's inputs
+   cross as pickles that only the checker process loads
+   (:mod:`labkit.grading.sandbox`), so nothing a submission produced ever runs
+   in the grader. Printed output and check cells are never read, so a notebook
+   that prints "100/100" or edits its check cells gains nothing. Each exercise
+   check has its own time limit (``--check-timeout``).
 
 Outputs: a readable report on stdout (``--report FILE`` too), per-question
 points and feedback as JSON (``--json``), and for a folder a CSV gradebook.
@@ -41,15 +44,12 @@ From Python::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import datetime as _dt
 import json
 import os
 import re
-import signal
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -58,12 +58,13 @@ from typing import Any
 
 from .bank import Bank, BankError, all_banks, bank_dir
 from .kernel import execute
+from .sandbox import score_in_sandbox
 from .score import MARKS, Score
 from .scoring import score
 
 __all__ = ["Options", "SubmissionError", "read_submission", "bank_for", "grade_notebook",
-           "score_collected", "grade_paths", "submissions_in", "format_report", "write_csv",
-           "main"]
+           "score_collected", "lesson_grade_problems", "grade_paths", "submissions_in",
+           "format_report", "write_csv", "main"]
 
 
 class SubmissionError(Exception):
@@ -101,15 +102,20 @@ def read_submission(path: str | os.PathLike):
         raise SubmissionError(f"the file is empty ({len(data)} bytes): nothing was submitted")
     try:
         text = data.decode("utf-8")
-    except UnicodeDecodeError:
+    except UnicodeDecodeError as exc:
+        if exc.reason == "unexpected end of data":     # cut inside a multi-byte character
+            raise SubmissionError("the notebook is truncated: it stops in the middle of a "
+                                  "character (an upload or a save cut short); re-download or "
+                                  "re-save it and submit again") from None
         raise SubmissionError("not a notebook: the file is binary, not the JSON text of an "
                               ".ipynb (was another file uploaded?)") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        if exc.pos >= len(text.rstrip()) - 1:
-            raise SubmissionError(f"the notebook is truncated: its JSON stops early (line "
-                                  f"{exc.lineno}); re-download or re-save it and submit "
+        if _ends_early(text):
+            raise SubmissionError(f"the notebook is truncated: its JSON stops early, in the "
+                                  f"middle of line {text.count(chr(10)) + 1} (an upload or a "
+                                  f"save cut short); re-download or re-save it and submit "
                                   f"again") from None
         raise SubmissionError(f"not a notebook: invalid JSON at line {exc.lineno}, column "
                               f"{exc.colno} ({exc.msg})") from None
@@ -119,6 +125,27 @@ def read_submission(path: str | os.PathLike):
         return nbformat.reads(text, as_version=4)
     except Exception as exc:  # noqa: BLE001  (nbformat raises many kinds)
         raise SubmissionError(f"not a readable notebook: {type(exc).__name__}: {exc}") from None
+
+
+def _ends_early(text: str) -> bool:
+    """True when ``text`` is JSON cut short: it ends inside a string, or with a ``{``/``[``
+    still open, or with a value half-written — whatever the parser complained about first."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+    return in_string or depth > 0
 
 
 def bank_for(nb, path: Path, banks: dict[str, Bank], forced: str | None = None) -> Bank:
@@ -163,7 +190,7 @@ def grade_notebook(path: str | os.PathLike, opts: Options | None = None) -> dict
     result.update(notebook=bank.name, max_points=bank.max_points)
     env = {"LABKIT_QUIZ_DIR": str(opts.banks_path().resolve()), "LABKIT_GRADING": "1"}
     try:
-        ex = execute(nb, bank.names, cell_timeout=opts.cell_timeout,
+        ex = execute(nb, bank.names, pickled=bank.pickled, cell_timeout=opts.cell_timeout,
                              notebook_timeout=opts.notebook_timeout,
                              collect_timeout=opts.collect_timeout, max_restarts=opts.max_restarts,
                              grace=opts.grace, env=env)
@@ -183,67 +210,44 @@ def score_collected(bank: Bank, collected: dict[str, tuple[str, Any]],
                     opts: Options | None = None) -> list[Score]:
     """Score every question of ``bank`` from the values collected out of a kernel.
 
-    ``collected`` is what :func:`labkit.grading.kernel.read_values` returns; the lab's pytest
+    ``collected`` is what :func:`labkit.grading.kernel.read_values` returns: plain answers are
+    scored here; exercises and computed questions, which run the submission's own objects, in
+    the checker process (:func:`labkit.grading.sandbox.score_in_sandbox`). The lab's pytest
     plugin grades nbval's own kernel with this too.
     """
     opts = opts or Options()
-    values = {name: _unpickle(state) for name, state in collected.items()}
-    return [_score_one(q, values, bank, opts) for q in bank.questions.values()]
+    remote = [q for q in bank.questions.values() if q.runs_submission_code]
+    sandboxed = score_in_sandbox(bank, remote, collected, opts.check_timeout)
+    return [sandboxed[q.id] if q.runs_submission_code else _score_plain(q, collected)
+            for q in bank.questions.values()]
 
 
-def _unpickle(state: tuple[str, Any]) -> tuple[str, Any]:
-    kind, data = state
-    if kind != "ok":
-        return state
-    import cloudpickle
+def lesson_grade_problems(scores: list[Score], solved: bool) -> str | None:
+    """Why a lesson notebook's own grade is wrong, or None: a solved notebook must score full
+    marks; an untouched student copy zero, and for the right reason (nothing answered, every
+    exercise stub "not done"). The pytest plugin and the browser test both hold the lab to it."""
+    if solved:
+        short = [s for s in scores if s.points < s.max_points]
+        return ("a solved notebook must score full marks:\n" + "\n".join(s.text() for s in short)
+                if short else None)
+    scored = [s for s in scores if s.points > 0 or s.status not in ("unanswered", "not done")]
+    return ("an untouched student notebook must score zero, cleanly:\n" +
+            "\n".join(s.text() for s in scored) if scored else None)
 
-    try:
-        return "ok", cloudpickle.loads(data)
-    except Exception as exc:  # noqa: BLE001
-        return "error", f"could not be loaded in the grader: {type(exc).__name__}: {exc}"
 
-
-def _score_one(q, values: dict, bank: Bank, opts: Options) -> Score:
-    state, value = values.get(q.variable, ("lost", None))
+def _score_plain(q, collected: dict[str, tuple[str, Any]]) -> Score:
+    """A question answered with plain data (JSON), scored here: nothing of the submission runs."""
+    state, value = collected.get(q.variable, ("lost", None))
     if state == "lost":
         return Score(q.id, 0.0, q.points, "error", "not graded: the answers could not be "
                      "collected from the kernel (see the notes)")
-    if state == "error":
-        return Score(q.id, 0.0, q.points, "error", f"{q.variable} could not be collected: {value}")
-    inputs = {n: values[n][1] if values.get(n, ("",))[0] == "ok" else None for n in q.inputs}
-    try:
-        with _time_limit(opts.check_timeout if q.kind == "exercise" else 60.0):
-            s = score(q, value if state == "ok" else None, inputs)
-    except _CheckTimeout:
-        return Score(q.id, 0.0, q.points, "error", f"the check ran past {opts.check_timeout:g} s "
-                     f"and was stopped (an endless loop or a deadlock in {q.variable}?)")
-    except Exception as exc:  # noqa: BLE001  (a key or checker bug must not stop the gradebook)
-        return Score(q.id, 0.0, q.points, "error", f"the check failed: {type(exc).__name__}: {exc}")
+    if state in ("error", "pickle"):
+        detail = value if state == "error" else "it is not plain data"
+        return Score(q.id, 0.0, q.points, "error", f"{q.variable} could not be collected: {detail}")
+    s = score(q, value if state == "ok" else None, {})
     if state == "missing":
         s.feedback = f"not answered: the notebook never defines {q.variable}"
     return s
-
-
-class _CheckTimeout(BaseException):
-    """Raised by SIGALRM; a BaseException so that checkers' ``except Exception`` let it through."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float):
-    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
-        yield
-        return
-
-    def alarm(_sig, _frame):
-        raise _CheckTimeout()
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def submissions_in(target: Path) -> list[Path]:

@@ -14,19 +14,22 @@ scores anything. One submission:
 3. A cell that kills the kernel (``os._exit``, a signal, ``exit()``) or ignores
    interrupts is skipped and the notebook runs again from the top in a new
    kernel, at most ``max_restarts`` times, within the same notebook time limit.
-4. A collector cell (not part of the notebook) cloudpickles each requested
-   variable to its own file in a folder of the grader's, so one bad value (or a
-   collector killed half-way) loses only itself.
+4. A collector cell (not part of the notebook) writes each requested variable to
+   its own file in a folder of the grader's, so one bad value (or a collector
+   killed half-way) loses only itself: answers as JSON (plain data: numbers,
+   text, lists of them); exercise functions and the inputs of computed questions
+   as cloudpickles.
 5. The kernel is shut down, then every process still carrying the token is
    killed: nothing outlives the submission.
 
-Unpickling happens in the grader: like any pickle it can run code, so grade
-untrusted submissions as an unprivileged user (this is robustness against
-accidents and crude cheating, not a security sandbox).
+Nothing here or in the grader unpickles what a submission produced: a pickle can
+run code when it is loaded, so pickles are only ever loaded by the checker
+process of :mod:`labkit.grading.sandbox` (and the ranks it starts).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -49,12 +52,28 @@ __all__ = ["CellRun", "Execution", "execute", "collector_source", "read_values",
 TOKEN_VAR = "LABKIT_GRADE_TOKEN"
 
 _COLLECT = r'''
-def __labkit_collect__(names, out):
-    import os, pickle, sys
+def __labkit_collect__(names, pickled, out):
+    import json, os, pickle, sys
     try:
         import cloudpickle as dumper
     except Exception:
         dumper = pickle
+
+    def plain(v):   # answers cross as JSON: numbers, text, booleans, lists and dicts of them
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:     # numpy / torch scalars
+            return plain(v.item())
+        if hasattr(v, "tolist"):                                     # arrays, tensors
+            return plain(v.tolist())
+        if isinstance(v, (list, tuple, set, frozenset)):
+            items = [plain(x) for x in v]
+            return sorted(items, key=repr) if isinstance(v, (set, frozenset)) else items
+        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+            return {k: plain(x) for k, x in v.items()}
+        raise TypeError(f"a {type(v).__module__}.{type(v).__qualname__}, not plain data "
+                        f"(a number, text, True/False, or a list of them)")
+
     ns = sys._getframe(1).f_globals
     for name in names:
         base = os.path.join(out, name)
@@ -62,15 +81,18 @@ def __labkit_collect__(names, out):
             open(base + ".missing", "w").close()
             continue
         try:
-            data = dumper.dumps(ns[name])
+            if name in pickled:
+                data, ext = dumper.dumps(ns[name]), ".pkl"
+            else:
+                data, ext = json.dumps(plain(ns[name]), allow_nan=True).encode(), ".json"
         except BaseException as exc:
             with open(base + ".err", "w") as f:
                 f.write(type(exc).__name__ + ": " + str(exc)[:300])
             continue
-        with open(base + ".pkl", "wb") as f:
+        with open(base + ext, "wb") as f:
             f.write(data)
     open(os.path.join(out, ".done"), "w").close()
-__labkit_collect__(%r, %r)
+__labkit_collect__(%r, %r, %r)
 del __labkit_collect__
 '''
 
@@ -119,15 +141,16 @@ class _Client(NotebookClient):
             raise _Unresponsive() from None
 
 
-def execute(nb, names: list[str], *, cell_timeout: float, notebook_timeout: float,
+def execute(nb, names: list[str], *, pickled=(), cell_timeout: float, notebook_timeout: float,
             collect_timeout: float = 60.0, max_restarts: int = 2, grace: float = 5.0,
             env: dict[str, str] | None = None) -> Execution:
-    """Run notebook ``nb`` and collect the variables ``names`` (see the module docstring)."""
+    """Run notebook ``nb`` and collect the variables ``names`` (see the module docstring);
+    those in ``pickled`` as pickles (exercise functions, a key's inputs), the rest as JSON."""
     t0 = time.monotonic()
     ex = Execution()
     work = Path(tempfile.mkdtemp(prefix="labkit-grade-"))
     try:
-        asyncio.run(_run(nb, names, ex, work, dict(env or {}), cell_timeout,
+        asyncio.run(_run(nb, names, set(pickled), ex, work, dict(env or {}), cell_timeout,
                          t0 + notebook_timeout, collect_timeout, max_restarts, grace))
         ex.values = read_values(work / "answers", names)
     finally:
@@ -136,8 +159,8 @@ def execute(nb, names: list[str], *, cell_timeout: float, notebook_timeout: floa
     return ex
 
 
-async def _run(nb, names, ex, work, env, cell_timeout, deadline, collect_timeout, max_restarts,
-               grace) -> None:
+async def _run(nb, names, pickled, ex, work, env, cell_timeout, deadline, collect_timeout,
+               max_restarts, grace) -> None:
     skip: dict[int, str] = {}
     for attempt in range(max_restarts + 1):
         shutil.rmtree(work / "answers", ignore_errors=True)
@@ -155,7 +178,7 @@ async def _run(nb, names, ex, work, env, cell_timeout, deadline, collect_timeout
             await _start(client, cwd, {**os.environ, **env, TOKEN_VAR: token})
             killer = await _cells(client, nb, ex, skip, cell_timeout, deadline)
             if killer is None:
-                await _collect(client, names, work / "answers", collect_timeout, ex)
+                await _collect(client, names, pickled, work / "answers", collect_timeout, ex)
         finally:
             await _stop(client, token)
         if killer is None:
@@ -221,10 +244,10 @@ async def _cells(client, nb, ex, skip, cell_timeout, deadline) -> CellRun | None
     return None
 
 
-async def _collect(client, names, out: Path, limit: float, ex: Execution) -> None:
+async def _collect(client, names, pickled, out: Path, limit: float, ex: Execution) -> None:
     import nbformat
 
-    cell = nbformat.v4.new_code_cell(collector_source(names, out))
+    cell = nbformat.v4.new_code_cell(collector_source(names, out, pickled))
     client.nb.cells.append(cell)
     client.limit, client.timed_out = limit, False
     try:
@@ -265,19 +288,27 @@ def _exit_code(client) -> str:
     return f" (signal {-code})" if code < 0 else f" (exit code {code})"
 
 
-def collector_source(names: list[str], folder: str | Path) -> str:
-    """The code of the cell that saves each variable in ``names`` to its own file in ``folder``."""
-    return _COLLECT % (list(names), str(folder))
+def collector_source(names: list[str], folder: str | Path, pickled=()) -> str:
+    """The code of the cell that saves each variable in ``names`` to its own file in ``folder``:
+    as JSON (plain data: the learner's answers), or, for the names in ``pickled`` (exercise
+    functions, a key's inputs), as a pickle that only a checker process ever loads."""
+    return _COLLECT % (list(names), sorted(pickled), str(folder))
 
 
 def read_values(folder: Path, names: list[str]) -> dict[str, tuple[str, Any]]:
-    """What the collector saved: name -> ("ok", bytes) | ("missing", "") | ("error", message)
-    | ("lost", "")."""
-    out = {}
+    """What the collector saved, without running any of it: name -> ("ok", plain data from
+    JSON) | ("pickle", bytes, never loaded here) | ("missing", "") | ("error", message) |
+    ("lost", "")."""
+    out: dict[str, tuple[str, Any]] = {}
     for name in names:
         base = folder / name
-        if base.with_suffix(".pkl").exists():
-            out[name] = ("ok", base.with_suffix(".pkl").read_bytes())
+        if base.with_suffix(".json").exists():
+            try:
+                out[name] = ("ok", json.loads(base.with_suffix(".json").read_text()))
+            except ValueError as exc:
+                out[name] = ("error", f"unreadable answer: {exc}")
+        elif base.with_suffix(".pkl").exists():
+            out[name] = ("pickle", base.with_suffix(".pkl").read_bytes())
         elif base.with_suffix(".err").exists():
             out[name] = ("error", base.with_suffix(".err").read_text(errors="replace"))
         elif base.with_suffix(".missing").exists():

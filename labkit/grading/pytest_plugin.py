@@ -11,7 +11,7 @@ Two things happen on top of nbval when ``pytest`` runs the notebooks:
    exactly as ``python -m labkit grade`` does, and scores them here, in pytest's process, with the
    bank's key and checkers: a solved notebook must score full marks, an untouched student
    notebook zero. (The grader's own path — fresh kernel, time limits, hostile submissions — is
-   tested on small notebooks in ``tests/test_grade.py``.)
+   tested on small notebooks in ``tests/grading/test_grade.py``.)
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class GradeItem(pytest.Item):
 
     def runtest(self):
         from .bank import all_banks
-        from .grader import Options, bank_for, score_collected
+        from .grader import Options, bank_for, lesson_grade_problems, score_collected
         from .kernel import collector_source, read_values
 
         nbfile, path = self.parent, Path(str(self.fspath))
@@ -63,21 +63,13 @@ class GradeItem(pytest.Item):
         opts = Options()
         bank = bank_for(nbfile.nb, path, all_banks(opts.banks_path()))
         with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
-            msg_id = kernel.execute_cell_input(collector_source(bank.names, tmp))
+            msg_id = kernel.execute_cell_input(collector_source(bank.names, tmp, bank.pickled))
             kernel.await_idle(msg_id, opts.collect_timeout)
             collected = read_values(Path(tmp), bank.names)
         scores = score_collected(bank, collected, opts)
         self.user_properties.append(("points", sum(s.points for s in scores)))
-        if _lesson_folder(path) == "solutions":
-            short = [s for s in scores if s.points < s.max_points]
-            assert not short, "a solved notebook must score full marks:\n" + \
-                "\n".join(s.text() for s in short)
-        else:
-            # zero, and for the right reason: nothing answered, every exercise stub "not done"
-            scored = [s for s in scores if s.points > 0 or s.status not in ("unanswered",
-                                                                              "not done")]
-            assert not scored, "an untouched student notebook must score zero, cleanly:\n" + \
-                "\n".join(s.text() for s in scored)
+        problem = lesson_grade_problems(scores, solved=_lesson_folder(path) == "solutions")
+        assert problem is None, problem
 
     def reportinfo(self):
         return self.fspath, 0, f"{self.parent.name}::grade"

@@ -62,7 +62,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .bank import BankError, Question, find
+from .bank import BankError, Question, bank_dir, find, load_bank
 from .context import expect_solved, inputs_for, notebook_ns, variable_note
 from .exercise import check as check_exercise
 from .score import Score
@@ -71,7 +71,7 @@ from .scoring import score
 if TYPE_CHECKING:
     from .forms import QuizForm
 
-__all__ = ["check", "ask", "show", "form", "score", "get", "MISSING"]
+__all__ = ["check", "ask", "show", "form", "score", "get", "tally", "MISSING"]
 
 MISSING = object()   # "look the variable up in the notebook"
 
@@ -145,3 +145,29 @@ def form(qid: str, **inputs: Any) -> "QuizForm":
     from .forms import QuizForm   # ipywidgets only when a form is asked for
 
     return QuizForm(find(qid), inputs)
+
+
+def tally(bank: str, exercise_scores=(), namespace: dict | None = None) -> float:
+    """Print what the grader would give for the answers in the notebook now, item by item.
+
+    The grader reads each question's variable from the kernel and scores it with the bank;
+    this does the same with the notebook's namespace and takes the exercise scores that
+    ``lk.exercise.check`` already returned (so no checker runs twice). Returns the points::
+
+        lk.quiz.tally("06_sharding", [ex1, ex2, ex3])     # the Evaluation section's last cell
+    """
+    ns = notebook_ns(sys._getframe(1)) if namespace is None else namespace
+    done = {s.id: s for s in exercise_scores if s is not None}
+    total = earned = 0.0
+    lines = []
+    for q in load_bank(bank_dir() / f"{bank}.toml").questions.values():
+        if q.kind == "exercise":
+            s = done.get(q.id) or Score(q.id, 0.0, q.points, "unanswered", "not checked yet")
+        else:
+            s = score(q, ns.get(q.variable), {name: ns.get(name) for name in q.inputs})
+        total += q.points
+        earned += s.points
+        lines.append(f"  {q.id:<28} {s.points:>4g} / {q.points:<3g} {s.status}")
+    print("\n".join(lines))
+    print(f"score the grader would give now: {earned:g} / {total:g}")
+    return earned

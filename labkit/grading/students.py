@@ -27,7 +27,7 @@ the nbgrader way, each marker alone on its line::
 
 So a student notebook runs top to bottom without errors. ``generate --check``
 writes nothing and exits 1 listing every notebook that differs from what would
-be generated (tests/test_notebooks_sync.py runs it). Any malformed region is an
+be generated (tests/grading/test_notebooks_sync.py runs it). Any malformed region is an
 error naming notebook, cell and line.
 
 Commands::

@@ -9,8 +9,8 @@
 """
 from ..common.models import mlp
 from .drift import replica_drift
-from .memory import BYTES_PER_PARAM, gpt_like, memory_table, split_layers
+from .memory import BYTES_PER_PARAM, DDP_BUCKET_BYTES, gpt_like, memory_table, split_layers
 from .pipeline import pipeline
 
 __all__ = ["replica_drift", "pipeline", "mlp", "gpt_like", "split_layers", "memory_table",
-           "BYTES_PER_PARAM"]
+           "BYTES_PER_PARAM", "DDP_BUCKET_BYTES"]

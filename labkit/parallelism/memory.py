@@ -9,10 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["gpt_like", "split_layers", "memory_table", "BYTES_PER_PARAM"]
+__all__ = ["gpt_like", "split_layers", "memory_table", "BYTES_PER_PARAM", "DDP_BUCKET_BYTES"]
 
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "adam": 8}   # fp32 weights, grads, Adam m and v
+# torch DDP keeps a flat bucket copy of every fp32 gradient (its default
+# gradient_as_bucket_view=False): tests/claims/test_claims_ddp.py measures it from tensor storages
+DDP_BUCKET_BYTES = 4
 
 
 class _Block(nn.Module):
@@ -59,23 +62,30 @@ def split_layers(counts: list[int], stages: int) -> list[int]:
     return out
 
 
-def memory_table(model: nn.Module, world_size: int) -> list[dict]:
+def memory_table(model: nn.Module, world_size: int,
+                 ddp_bytes_per_param: float | None = None) -> list[dict]:
     """Model state per rank (fp32 weights + grads + Adam) for each strategy, from real counts.
 
     Model parallelism splits the model's top-level layers across ranks
-    (:func:`split_layers`); the busiest rank is reported. Activations are not
-    counted: they depend on batch size and grow for data parallelism too.
+    (:func:`split_layers`); the busiest rank is reported. Under torch DDP a parameter
+    costs ``ddp_bytes_per_param`` (default 16 + :data:`DDP_BUCKET_BYTES` = 20: DDP's
+    gradient buckets are a second copy of the gradients; notebook 01 passes the value it
+    measured). Activations are not counted: they depend on batch size and grow for data
+    parallelism too. Rows: ``strategy, params, bytes_per_param, GB, note``.
     """
     per_param = sum(BYTES_PER_PARAM.values())
+    ddp = per_param + DDP_BUCKET_BYTES if ddp_bytes_per_param is None else ddp_bytes_per_param
     total = sum(p.numel() for p in model.parameters())
     layers = [sum(p.numel() for p in m.parameters()) for m in _top_layers(model)]
     busiest = max(split_layers(layers, world_size))
-    rows = [("1 GPU", total, "everything on one device"),
-            ("data parallel (DDP)", total, "every rank holds a full replica"),
-            ("model parallel (pipeline)", busiest, "each rank holds its layers (busiest rank)"),
-            ("FSDP / ZeRO-3", -(-total // world_size), "params, grads and Adam state sharded")]
-    return [{"strategy": name, "params": n, "GB": n * per_param / 1e9, "note": note}
-            for name, n, note in rows]
+    rows = [("1 GPU", total, per_param, "everything on one device"),
+            ("data parallel (DDP)", total, ddp, "a full replica + DDP's bucket copy of the grads"),
+            ("model parallel (pipeline)", busiest, per_param,
+             "each rank holds its layers (busiest rank)"),
+            ("FSDP / ZeRO-3", -(-total // world_size), per_param,
+             "params, grads and Adam state sharded")]
+    return [{"strategy": name, "params": n, "bytes_per_param": b, "GB": n * b / 1e9, "note": note}
+            for name, n, b, note in rows]
 
 
 def _top_layers(model: nn.Module) -> list[nn.Module]:

@@ -3,7 +3,7 @@
 Every collective must be called by every rank of the group, in the same order,
 with the same sizes. Each scenario below breaks one of those rules on real
 gloo ranks, with a process-group timeout of seconds, and returns an
-:class:`~labkit.pitfalls.Outcome` whose verdict tests/test_pitfalls.py asserts:
+:class:`~labkit.pitfalls.Outcome` whose verdict tests/pitfalls/test_pitfalls.py asserts:
 
 =====================  ==================================================  =================
 runner                 what goes wrong                                      verdict kind

@@ -3,7 +3,7 @@
 Data parallelism is correct only while every replica takes the same step. Each
 scenario here breaks that in a way real code does, on real gloo ranks, and
 returns an :class:`~labkit.pitfalls.Outcome` whose verdict is asserted in
-tests/test_pitfalls.py:
+tests/pitfalls/test_pitfalls.py:
 
 =====================  ==================================================  =================
 runner                 what goes wrong                                      verdict kind

@@ -282,7 +282,7 @@ def live_processes(token: str | None = None) -> list[psutil.Process]:
 
 
 def launch(target: str, args: list | tuple = (), *, nproc_per_node: int = 2, max_restarts: int = 0,
-           nnodes: int = 1, env: dict[str, str] | None = None, cwd: str | None = None,
+           nnodes: int | str = 1, env: dict[str, str] | None = None, cwd: str | None = None,
            echo: bool | str = True, extra: list[str] | tuple = ()) -> Job:
     """Start torchrun on ``target`` (a module like ``"labkit.torchrun.train"`` or a ``.py``
     path); don't wait.
@@ -292,18 +292,22 @@ def launch(target: str, args: list | tuple = (), *, nproc_per_node: int = 2, max
         nproc_per_node: workers per agent; max_restarts: torchrun's ``--max-restarts``.
         nnodes: agents to start on this machine; more than 1 meet in a c10d
             rendezvous on 127.0.0.1 at a free port (multi-node semantics, one machine).
+            ``"MIN:MAX"`` (e.g. ``"1:2"``) is elastic: MAX agents start, and the job
+            goes on with as few as MIN after a node leaves.
         env: extra environment for the agents and workers (on top of :data:`AGENT_ENV`).
         echo: ``True`` prints rank output and the agent's key lines, ``"all"`` every
             line, ``False`` nothing (the lines are kept in ``job.lines`` either way).
 
     Returns a :class:`Job`; call ``job.follow()``/``job.wait()`` to stream and finish.
     """
-    if nnodes < 1 or nproc_per_node < 1 or max_restarts < 0:
-        raise TorchrunError(f"need nnodes >= 1, nproc_per_node >= 1, max_restarts >= 0; got "
-                            f"{nnodes}, {nproc_per_node}, {max_restarts}.")
+    low, _, high = str(nnodes).partition(":")
+    agents = int(high or low) if (high or low).isdigit() and low.isdigit() else 0
+    if agents < 1 or int(low) > agents or nproc_per_node < 1 or max_restarts < 0:
+        raise TorchrunError(f"need nnodes >= 1 (or 'MIN:MAX'), nproc_per_node >= 1, "
+                            f"max_restarts >= 0; got {nnodes!r}, {nproc_per_node}, {max_restarts}.")
     _check_target(str(target), cwd)
-    logs = [tempfile.mkdtemp(prefix="labkit-torchrun-") for _ in range(nnodes)]
-    endpoint = f"127.0.0.1:{free_port()}" if nnodes > 1 else None
+    logs = [tempfile.mkdtemp(prefix="labkit-torchrun-") for _ in range(agents)]
+    endpoint = f"127.0.0.1:{free_port()}" if str(nnodes) != "1" else None
     rdzv_id = f"lab-{uuid.uuid4().hex[:8]}"             # one job: every agent the same id
     cmds = [command(target, args, nproc_per_node=nproc_per_node, max_restarts=max_restarts,
                     nnodes=nnodes, rdzv_endpoint=endpoint, rdzv_id=rdzv_id, log_dir=d,

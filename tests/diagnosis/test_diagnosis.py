@@ -2,7 +2,7 @@
 
 Pure tests feed diagnose() RankResults carrying the exact texts torch 2.13.0 / gloo
 produced in real runs (copied from them); the real jobs behind every scenario are in
-tests/test_pitfalls.py. A few real jobs here check check_replicas() inside a job.
+tests/pitfalls/test_pitfalls.py. A few real jobs here check check_replicas() inside a job.
 """
 from __future__ import annotations
 

@@ -266,6 +266,20 @@ def test_read_submission_errors(tmp_path, data, message):
         read_submission(path)
 
 
+@pytest.mark.parametrize("name", ["00_setup", "03_ring_allreduce", "05_torchrun"])
+def test_a_notebook_cut_anywhere_is_called_truncated(tmp_path, name):
+    """Every cut point of a real notebook (here 100 per notebook, multi-byte characters too)."""
+    import random
+
+    data = (ROOT / "notebooks" / f"{name}.ipynb").read_bytes()
+    rng = random.Random(name)
+    path = tmp_path / "x.ipynb"
+    for cut in sorted(rng.sample(range(1, len(data) - 2), 100)):
+        path.write_bytes(data[:cut])
+        with pytest.raises(SubmissionError, match="the notebook is truncated"):
+            read_submission(path)
+
+
 def test_bank_detection_order():
     banks = all_banks(BANKS)
     cell = nbformat.v4.new_code_cell('lk.quiz.check("90.single", 1)')
@@ -279,24 +293,58 @@ def test_bank_detection_order():
         bank_for(nb, Path("x.ipynb"), banks, "42_x")
 
 
-@pytest.mark.timeout(60)
-def test_a_check_that_never_ends_is_stopped_by_the_grader(tmp_path):
-    from labkit.grading.grader import Options, _score_one
+def _exercise_bank(tmp_path):
     from labkit.grading.bank import load_bank
 
     (tmp_path / "91_t.toml").write_text(
         '[[question]]\nid = "91.ex"\nkind = "exercise"\nprompt = "p"\nvariable = "f"\n'
-        'checker = "checks.py:check"\n')
+        'checker = "checks.py:check"\n\n'
+        '[[question]]\nid = "91.n"\nkind = "numeric"\nprompt = "p"\nvariable = "q_n"\n'
+        'answer = 6\n')
     (tmp_path / "checks.py").write_text(
         "from labkit.grading.exercise import case\n"
         "def check(fn):\n    return [case('calls fn here', fn)]\n")   # no lk.run: no deadline
+    return load_bank(tmp_path / "91_t.toml")
+
+
+@pytest.mark.timeout(120)
+def test_a_check_that_never_ends_is_stopped_by_the_grader(tmp_path):
+    import cloudpickle
+
+    from labkit.grading.grader import Options, score_collected
 
     def forever():
         while True:
             pass
-    bank = load_bank(tmp_path / "91_t.toml")
-    s = _score_one(bank.questions["91.ex"], {"f": ("ok", forever)}, bank, Options(check_timeout=1))
-    assert s.status == "error" and "ran past 1 s and was stopped" in s.feedback
+    collected = {"f": ("pickle", cloudpickle.dumps(forever)), "q_n": ("ok", 6)}
+    s = {x.id: x for x in score_collected(_exercise_bank(tmp_path), collected,
+                                          Options(check_timeout=1))}
+    assert s["91.ex"].status == "error" and "ran past 1 s and was stopped" in s["91.ex"].feedback
+    assert s["91.n"].correct
+
+
+@pytest.mark.timeout(120)
+def test_a_crafted_pickle_never_runs_code_in_the_grader(tmp_path):
+    """A submission whose answers unpickle into code: it can run only in the checker process."""
+    import os
+
+    import cloudpickle
+
+    from labkit.grading.grader import Options, score_collected
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):   # loading this object appends the loading process's pid
+            return (os.system, (f"echo $PPID >> {marker}",))
+    evil = cloudpickle.dumps(Evil())
+    collected = {"f": ("pickle", evil), "q_n": ("pickle", evil)}   # as an answer, too
+    s = {x.id: x for x in score_collected(_exercise_bank(tmp_path), collected,
+                                          Options(check_timeout=5))}
+    assert s["91.n"].status == "error" and "not plain data" in s["91.n"].feedback
+    assert s["91.ex"].status == "wrong" and "must be a function" in s["91.ex"].feedback
+    ran_in = [int(line) for line in marker.read_text().split()]
+    assert ran_in and os.getpid() not in ran_in, ran_in   # loaded once: in the checker process
 
 
 def test_cli_usage_errors(tmp_path):
@@ -311,4 +359,4 @@ def test_cli_usage_errors(tmp_path):
 # The lab's own notebooks are graded in the same run as nbval executes them (one execution,
 # two verdicts): labkit/pytest_plugin.py adds a `grade` item after each notebook's last cell,
 # full marks for solutions/, zero ("unanswered"/"not done") for notebooks/. Its ability to fail
-# is tested in tests/test_pytest_plugin.py.
+# is tested in tests/grading/test_pytest_plugin.py.

@@ -31,6 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import psutil
 
 from labkit.runtime.procs import free_port
@@ -59,6 +60,20 @@ def chromium_path() -> str | None:
     if not exe and os.path.exists("/usr/bin/chromium-headless-shell"):
         exe = "/usr/bin/chromium-headless-shell"
     return exe if exe and os.access(exe, os.X_OK) else None
+
+
+def missing() -> list[str]:
+    """Why the browser test cannot run on this machine (an empty list when it can)."""
+    reasons = []
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        reasons.append("the `playwright` Python package is not installed "
+                       "(pip install -r requirements.txt)")
+    if not chromium_path():
+        reasons.append("chromium-headless-shell is not installed (run "
+                       "`sh tests/install_browser.sh`, or set LABKIT_CHROMIUM to a Chromium binary)")
+    return reasons
 
 
 def lab_command(readme: Path = REPO / "README.md") -> list[str]:
@@ -248,6 +263,41 @@ class Lab:
         with urllib.request.urlopen(req, timeout=10) as r:
             body = r.read()
         return json.loads(body) if body else None
+
+    def grade_live(self, rel: str) -> str | None:
+        """Grade notebook ``rel``'s live kernel exactly as the grader does (its bank, its key).
+
+        Returns why the grade is wrong for an untouched student notebook (it must score zero,
+        cleanly), or None. This is how the student notebooks are graded in the lab's test run:
+        in the kernel JupyterLab ran them in, so each one executes once.
+        """
+        from jupyter_client import BlockingKernelClient
+
+        from labkit.grading.bank import all_banks
+        from labkit.grading.grader import (Options, bank_for, lesson_grade_problems,
+                                           score_collected)
+        from labkit.grading.kernel import collector_source, read_values
+
+        path = self.tree_path(rel)
+        ids = [s["kernel"]["id"] for s in self.api("GET", "/api/sessions") if s["path"] == path]
+        if not ids:
+            return f"{rel}: no kernel to grade (the notebook's session is gone)"
+        kc = BlockingKernelClient(connection_file=str(self.tmp / "runtime" / f"kernel-{ids[0]}.json"))
+        kc.load_connection_file()
+        kc.start_channels()
+        opts = Options()
+        try:
+            kc.wait_for_ready(timeout=30)
+            bank = bank_for(nbformat.read(self.root / rel, as_version=4), Path(rel),
+                            all_banks(opts.banks_path()))
+            with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
+                kc.execute_interactive(collector_source(bank.names, tmp, bank.pickled),
+                                       store_history=False,
+                                       timeout=opts.collect_timeout, output_hook=lambda msg: None)
+                collected = read_values(Path(tmp), bank.names)
+        finally:
+            kc.stop_channels()
+        return lesson_grade_problems(score_collected(bank, collected, opts), solved=False)
 
     def shutdown_kernels(self, within: float = 10.0) -> list[str]:
         """Shut every kernel down through the server; kill what outlives it and describe it."""

@@ -43,10 +43,13 @@ class Report:
                 f"images {self.images}; slowest cells: {slow}; problems: {len(self.problems)}")
 
 
-def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool = False) -> Report:
+def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool = False,
+                   grade: bool = False) -> Report:
     """Open ``rel`` in JupyterLab, run every cell through the UI, check what rendered.
 
     ``as_readme``: open it the way the README's command does (the server's open-file page).
+    ``grade``: then grade its live kernel as the grader would (an untouched student
+    notebook must score zero, cleanly: :meth:`browser_helpers.Lab.grade_live`).
     """
     rep = Report(rel)
     shots = ARTIFACTS / Path(rel).stem
@@ -77,6 +80,11 @@ def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool
         rep.problems += [p for p in _dom_problems(panel) if p not in rep.problems]
         rep.problems += [f"JavaScript error on the page: {e}" for e in page_errors
                          if "widget" in e.lower()]
+        if grade:
+            t2 = time.monotonic()
+            problem = lab.grade_live(rel)
+            rep.timings["grade"] = time.monotonic() - t2
+            rep.problems += [f"grade: {problem}"] if problem else []
     except BaseException:                   # pytest-timeout's Failed too
         page.screenshot(path=str(shots / "FAILED.png"))
         print(lab.log_tail())
@@ -408,7 +416,9 @@ def _settled(state, quiet_s: float = 1.0, most_s: float = 10.0) -> dict:
 
 # ------------------------------------------------------------------ progress bars
 def _progress_problems(panel, slow: list[tuple[int, float]], slow_s: float) -> list[str]:
-    """A cell that ran longer than ``slow_s`` must show a progress bar (a widget or tqdm text)."""
+    """A cell that ran longer than ``slow_s`` must show progress: a bar (a widget or tqdm
+    text), or live logs streamed while it runs (torchrun's lines, timestamped by
+    ``lk.torchrun``: ``  5.1s agent ...``, ``  6.0s rank 1 ...``)."""
     out = []
     for i, secs in slow:
         if secs <= slow_s:
@@ -416,12 +426,14 @@ def _progress_problems(panel, slow: list[tuple[int, float]], slow_s: float) -> l
         has_bar = panel.evaluate(r"""(p, i) => {
             const c = p.querySelector(`.jp-Cell[data-windowed-list-index="${i}"]`);
             if (!c) return null;
+            const text = c.querySelector('.jp-OutputArea')?.textContent || '';
+            const streamed = (text.match(/^ *\d+\.\ds (agent|rank|notebook)/gm) || []).length;
             return !!c.querySelector('.widget-hprogress, .widget-progress, progress') ||
-                   /\d+%\|/.test(c.querySelector('.jp-OutputArea')?.textContent || '');
+                   /\d+%\|/.test(text) || streamed >= 3;
         }""", i - 1)
         if has_bar is None:
             out.append(f"cell {i}: ran {secs:.1f} s, but the page has no cell {i} to look at")
         elif not has_bar:
-            out.append(f"cell {i}: ran {secs:.1f} s in the browser with no progress bar (over "
-                       f"{slow_s:g} s: show one, e.g. tqdm.auto)")
+            out.append(f"cell {i}: ran {secs:.1f} s in the browser with no progress bar or live "
+                       f"log (over {slow_s:g} s: show one, e.g. tqdm.auto)")
     return out

@@ -12,12 +12,15 @@ saved, and checked:
   shows the feedback;
 * every ring player (``lk.ringviz.player``) advances on ▶ (caption, step and image change) and
   on Play;
-* a cell that ran longer than ``SLOW_S`` in the browser shows a progress bar.
+* a cell that ran longer than ``SLOW_S`` in the browser shows a progress bar;
+* the kernel, still live after Run All, is graded exactly as the grader does: an untouched
+  student notebook must score zero, cleanly. (So each student notebook executes once in the
+  test run, here; nbval runs ``notebooks/`` only where there is no browser: tests/conftest.py.)
 
 Per-notebook expectations come from the notebook's source (a notebook that calls
 ``lk.quiz.ask`` must show a quiz form ...). ``test_the_checks_can_fail`` runs a generated notebook
-with a raising cell, a broken widget, a slow cell without a bar and a process that outlives the
-kernel, and asserts all four are caught. Screenshots land in ``artifacts/browser/`` (not committed).
+with a raising cell, a broken widget, a slow cell without a bar, a process that outlives the
+kernel and an answered bank question, and asserts all five are caught. Screenshots land in ``artifacts/browser/`` (not committed).
 
 Skipped, with the reason, only where ``playwright`` or ``chromium-headless-shell`` is missing
 (``tests/install_browser.sh`` installs the browser where it can); ``LABKIT_REQUIRE_BROWSER=1``
@@ -31,19 +34,10 @@ import re
 import nbformat
 import pytest
 
-from browser_helpers import ARTIFACTS, CHROMIUM_ARGS, REPO, Lab, chromium_path, lab_command
+from browser_helpers import CHROMIUM_ARGS, REPO, Lab, chromium_path, lab_command, missing
 import browser_page as bp
 
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError:  # pragma: no cover - depends on the machine
-    sync_playwright = None
-
-MISSING = ([] if sync_playwright else ["the `playwright` Python package is not installed "
-                                       "(pip install -r requirements.txt)"]) + \
-          ([] if chromium_path() else ["chromium-headless-shell is not installed (run "
-                                       "`sh tests/install_browser.sh`, or set LABKIT_CHROMIUM "
-                                       "to a Chromium binary)"])
+MISSING = missing()
 if MISSING and os.environ.get("LABKIT_REQUIRE_BROWSER") != "1":
     pytest.skip("browser test skipped: " + "; ".join(MISSING), allow_module_level=True)
 
@@ -61,6 +55,8 @@ def lab():
 
 @pytest.fixture(scope="module")
 def browser(lab):
+    from playwright.sync_api import sync_playwright
+
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS,
                               env=lab.chromium_env())
@@ -90,8 +86,9 @@ def _selfcheck_notebook() -> tuple[nbformat.NotebookNode, dict[str, int]]:
     qs = [q for b in all_banks().values() for q in b.questions.values() if not q.key]
     picks = [next(q for q in qs if q.kind == k) for k in ("numeric", "single", "multi", "short")
              if any(q.kind == k for q in qs)]
+    answered = next(q for q in qs if q.kind == "numeric")     # a graded answer: not zero
     cells = ["import labkit as lk, time\nimport matplotlib.pyplot as plt\n"
-             "from tqdm.auto import tqdm"]
+             "from tqdm.auto import tqdm", f"{answered.variable} = {answered.answer!r}"]
     cells += [f"lk.quiz.ask({q.id!r})" for q in picks]
     cells += ["ring = lk.collectives.record('ring', world_size=3, numel=6)\nlk.ringviz.player(ring)",
               "fig, ax = plt.subplots(figsize=(4, 2.5)); ax.plot([1, 3, 2]); plt.show()",
@@ -108,6 +105,8 @@ def _selfcheck_notebook() -> tuple[nbformat.NotebookNode, dict[str, int]]:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
                                  "language": "python"}
+    nb.metadata["labkit"] = {"bank": next(b.name for b in all_banks().values()
+                                          if answered.id in b.questions)}
     return nb, fault
 
 
@@ -116,7 +115,7 @@ def test_the_checks_can_fail(lab, browser):
     nb, fault = _selfcheck_notebook()
     rel = "notebooks/_browser_selfcheck.ipynb"        # in the server's temporary copy only
     nbformat.write(nb, lab.root / rel)
-    report = bp.check_notebook(lab, browser, rel, slow_s=1.0)
+    report = bp.check_notebook(lab, browser, rel, slow_s=1.0, grade=True)
     print(report.summary())
     probs = report.problems
     print("\n".join(probs))
@@ -126,7 +125,8 @@ def test_the_checks_can_fail(lab, browser):
                for p in probs), probs
     assert any("Error displaying widget" in p for p in probs), probs
     assert any("outlived the kernel" in p and "sleep 120" in p for p in probs), probs
-    assert len([p for p in probs if "progress bar" not in p]) == 4, probs   # nothing else failed
+    assert any(p.startswith("grade: an untouched student notebook must score zero") for p in probs)
+    assert len([p for p in probs if "progress bar" not in p]) == 5, probs   # nothing else failed
     bars = [p for p in probs if "progress bar" in p]                # limit 1 s: also other cells
     assert any(p.startswith(cell["slow"]) for p in bars), probs
     assert not any(p.startswith(cell["tqdm"]) for p in bars), probs  # 1.6 s, but with a bar
@@ -140,7 +140,7 @@ def test_notebook_in_jupyterlab(lab, browser, path):
     source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
                        if c.cell_type == "code")
     report = bp.check_notebook(lab, browser, rel, slow_s=SLOW_S,
-                               as_readme=(rel == readme_notebook()))
+                               as_readme=(rel == readme_notebook()), grade=True)
     print(report.summary())
     assert report.problems == [], f"{rel} in JupyterLab:\n  " + "\n  ".join(report.problems)
     if "quiz.ask(" in source:

@@ -1,0 +1,203 @@
+"""Notebook 06's checkers: the right answers pass; lazy and wrong answers fail a named case.
+
+Each wrong answer in tests/sharding/sharding_answers.py is a mistake a learner makes; these tests pin
+which case it fails and that the message names the fix. Most run on 2 ranks only (the cases are
+the same per world size); the right answers run on 2 and 4.
+"""
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+
+import labkit as lk
+import sharding_answers as A
+from labkit.sharding.check import check_parallel_mlp, check_sharded_linear, \
+    check_sharded_optimizer
+
+from conftest import assert_no_ranks_left
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.timeout(120)
+
+
+def failed(cases, name_part: str) -> str:
+    """The detail of the one failing case whose name contains ``name_part``."""
+    hits = [c for c in cases if name_part in c.name]
+    assert hits, [c.name for c in cases]
+    bad = [c for c in hits if not c.passed]
+    assert bad, f"expected {name_part!r} to fail: {hits}"
+    return bad[0].detail
+
+
+def passed(cases, name_part: str) -> bool:
+    return all(c.passed for c in cases if name_part in c.name)
+
+
+@pytest.mark.parametrize("check, answer", [
+    (check_sharded_optimizer, A.ShardedOptimizer),
+    (check_sharded_linear, A.ShardedLinear),
+    (check_parallel_mlp, A.ParallelMLP),
+])
+def test_the_solution_passes_every_case_on_2_and_4_ranks(check, answer):
+    cases = check(answer)
+    assert len(cases) == 6 and all(c.passed for c in cases), cases
+
+
+# ------------------------------------------------------------- exercise 1: ZeRO-1
+def test_a_plain_optimizer_fails_numbers_and_sharding():
+    cases = check_sharded_optimizer(A.PlainOptimizer, world_sizes=(2,))
+    assert "differ from rank 0's" in failed(cases, "SGD")
+    assert "A plain Adam holds 2Ψ" in failed(cases, "state")
+
+
+def test_an_optimizer_that_does_nothing_fails_every_case():
+    cases = check_sharded_optimizer(A.DoNothingOptimizer, world_sizes=(2,))
+    assert "differ from rank 0's" in failed(cases, "SGD")
+    assert "keep the inner optimizer" in failed(cases, "state")
+    assert not any(c.passed for c in cases)
+
+
+def test_no_sharding_gets_the_numbers_right_and_still_fails_the_state_case():
+    cases = check_sharded_optimizer(A.UnshardedOptimizer, world_sizes=(4,))
+    assert passed(cases, "SGD") and passed(cases, "Adam: every rank")
+    assert "Keep state for your 1/N slice only" in failed(cases, "state")
+
+
+def test_a_summed_gradient_fails_with_sgd_even_where_adam_would_hide_it():
+    cases = check_sharded_optimizer(A.SummedOptimizer, world_sizes=(2,))
+    assert "you summed the gradients" in failed(cases, "SGD")
+    assert passed(cases, "state")
+
+
+def test_a_missing_broadcast_fails_because_every_rank_starts_from_its_own_weights():
+    cases = check_sharded_optimizer(A.NoBroadcastOptimizer, world_sizes=(2,))
+    assert "Broadcast rank 0's parameters" in failed(cases, "SGD")
+
+
+def test_wrapping_torchs_zero_redundancy_optimizer_fails_the_hand_sharding_case():
+    class Wrapped:
+        def __init__(self, params, optimizer_class, **defaults):
+            import torch
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            self.inner = ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.SGD,
+                                                 lr=defaults["lr"])
+
+        def step(self):
+            self.inner.step()
+    cases = check_sharded_optimizer(Wrapped, world_sizes=(2,))
+    assert "wraps ZeroRedundancyOptimizer" in failed(cases, "state")
+
+
+# ------------------------------------------------------------- exercise 2: ZeRO-3 layer
+def test_a_summed_shard_gradient_fails_bit_exactness_naming_the_sum():
+    cases = check_sharded_linear(A.SummedLinear, world_sizes=(2,))
+    assert "you summed" in failed(cases, "bit-exact")
+    assert passed(cases, "kept") and passed(cases, "traffic")
+
+
+def test_keeping_the_gathered_weight_fails_memory_and_traffic():
+    cases = check_sharded_linear(A.KeepsFullLinear, world_sizes=(2,))
+    assert "free the gathered weight" in failed(cases, "kept")
+    assert "two ring halves, not three" in failed(cases, "traffic")
+
+
+def test_calling_the_library_collectives_fails_the_hand_written_case():
+    cases = check_sharded_linear(A.LibraryLinear, world_sizes=(2,))
+    assert "a library collective" in failed(cases, "traffic")
+    assert passed(cases, "kept")
+
+
+def test_a_missing_broadcast_fails_the_layer_in_forward():
+    cases = check_sharded_linear(A.NoBroadcastLinear, world_sizes=(4,))
+    assert "broadcast it before sharding" in failed(cases, "bit-exact")
+
+
+def test_an_unsharded_layer_fails_every_case():
+    cases = check_sharded_linear(A.UnshardedLinear, world_sizes=(2,))
+    assert "a 1/2 shard" in failed(cases, "kept")
+    assert not any(c.passed for c in cases)
+
+
+# ------------------------------------------------------------- exercise 3: Megatron MLP
+def test_the_library_all_reduce_as_g_fails_numbers_and_the_count():
+    cases = check_parallel_mlp(A.LibraryAllReduceMLP, world_sizes=(2,))
+    assert "torch.distributed.nn.functional.all_reduce does that" in failed(cases, "output")
+    assert "['all_reduce', 'all_reduce']" in failed(cases, "hand-written")
+
+
+def test_forgetting_f_leaves_only_this_ranks_part_of_the_input_gradient():
+    cases = check_parallel_mlp(A.NoFMLP, world_sizes=(2,))
+    assert "only this rank's part" in failed(cases, "output")
+    assert "no collective" in failed(cases, "hand-written")
+
+
+def test_adding_the_row_parallel_bias_on_every_rank_fails_with_the_fix():
+    cases = check_parallel_mlp(A.BiasEachRankMLP, world_sizes=(2,))
+    assert "add it once, after the all-reduce" in failed(cases, "output")
+
+
+def test_a_replicated_mlp_fails_the_split_case():
+    cases = check_parallel_mlp(A.ReplicatedMLP, world_sizes=(2,))
+    assert "expected (4, 6)" in failed(cases, "split")
+    assert not any(c.passed for c in cases)
+
+
+def test_parallelize_module_fails_the_hand_written_case():
+    cases = check_parallel_mlp(A.LibraryTPMLP, world_sizes=(2,))
+    assert "parallelize_module" in failed(cases, "hand-written")
+
+
+# ------------------------------------------------------------- stubs, deadlocks, the grader
+def test_stubs_report_not_done_through_lk_exercise():
+    class Stub:
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError("write your code here")
+    for qid in ("06.sharded_optimizer", "06.sharded_linear", "06.parallel_mlp"):
+        assert lk.exercise.evaluate(qid, Stub).status == "not done"
+
+
+class RankZeroWaits(A.ParallelMLP):
+    """Wrong: rank 0 waits for a message rank 1 never sends."""
+
+    def forward(self, x):
+        import torch
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            dist.recv(torch.empty(1), src=1)
+        return super().forward(x)
+
+
+class RankZeroExtraAllReduce(A.ParallelMLP):
+    """Wrong: rank 0 issues one all-reduce more, of another size than rank 1's next one."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            dist.all_reduce(x.detach().clone())
+        return super().forward(x)
+
+
+@pytest.mark.timeout(60)   # in seconds: the checker's short collective timeouts, not pytest's
+def test_a_deadlocked_answer_fails_in_seconds_and_leaves_no_rank():
+    cases = check_parallel_mlp(RankZeroWaits, world_sizes=(2,))
+    assert "a deadlock" in cases[0].detail and not any(c.passed for c in cases)
+    assert_no_ranks_left()
+
+
+def test_a_mismatched_collective_that_aborts_a_rank_fails_as_unverifiable():
+    cases = check_parallel_mlp(RankZeroExtraAllReduce, world_sizes=(2,))
+    assert "SIGABRT" in cases[0].detail and "cannot be verified" in cases[0].detail
+    assert not any(c.passed for c in cases)
+    assert_no_ranks_left()
+
+
+def test_partial_credit_counts_the_cases_that_pass():
+    score = lk.exercise.evaluate("06.sharded_linear", A.LibraryLinear)
+    assert score.status == "partial" and 0 < score.points < score.max_points
+
+
+def test_no_rank_outlives_the_checks():
+    lk.shutdown()
+    assert_no_ranks_left()
