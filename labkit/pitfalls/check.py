@@ -96,10 +96,8 @@ def check_replica_training(fn) -> list:
 def check_staleness_lr(fn) -> list:
     """Checker of exercise 04.staleness_lr: ``fn(lr, staleness)`` must tame every delay 0 to 16.
 
-    Cases: ``fn`` is ``lr`` itself at staleness 0 for any ``lr``; the rate shrinks as the
-    staleness grows (the point of the exercise: a constant small rate converges too, knowing
-    nothing of staleness, and a table tuned to a few delays does not shrink); and one case per
-    delay, which only counts for a rate that shrinks.
+    One case that ``fn`` is ``lr`` itself at staleness 0, for any ``lr``, and one case per
+    delay from 0 to 16, as the exercise says (a table tuned to a few delays fails the others).
     """
     start = delayed_sgd(0, 1.0, 1)[0]
 
@@ -109,36 +107,16 @@ def check_staleness_lr(fn) -> list:
             assert got == lr, f"with staleness 0 keep the base rate: fn({lr}, 0) returned {got!r}"
         return "fn(lr, 0) == lr"
 
-    def why_not_shrinking() -> str | None:
-        rates = [float(fn(1.0, k)) for k in range(17)]
-        grows = next((k for k in range(1, 17) if rates[k] > rates[k - 1]), None)
-        if grows is not None:
-            return (f"the rate grows from staleness {grows - 1} to {grows} "
-                    f"({rates[grows - 1]:.3g} -> {rates[grows]:.3g}): older gradients deserve "
-                    f"smaller steps")
-        if not rates[16] < rates[1]:
-            return (f"the rate is {rates[1]:.3g} at staleness 1 and at 16: it must shrink as "
-                    f"gradients get older")
-        return None
-
-    def shrinks():
-        problem = why_not_shrinking()
-        assert problem is None, problem
-        return f"from {float(fn(1.0, 0)):.3g} at staleness 0 to {float(fn(1.0, 16)):.3g} at 16"
-
     def converges(k):
         def test():
-            assert why_not_shrinking() is None, ("not counted: the rate does not shrink with the "
-                                                 "staleness (see 'shrinks as staleness grows')")
             final = delayed_sgd(k, 1.0, 300, fn)[-1]
             assert final < 0.01, (f"with delay {k} the loss ends at {final:.3g} (it starts near "
                                   f"{start:.2g}): the step is still too large, or so small that "
                                   f"nothing is learned")
             return f"final loss {final:.4g}"
         return test
-    return ([case("lr itself at staleness 0", at_zero),
-             case("shrinks as staleness grows", shrinks)] +
-            [case(f"delay {k}", converges(k)) for k in range(17)])
+    return [case("lr itself at staleness 0", at_zero)] + \
+        [case(f"delay {k}", converges(k)) for k in range(17)]
 
 
 # ------------------------------------------------------------------ quiz keys

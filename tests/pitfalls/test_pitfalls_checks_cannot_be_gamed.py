@@ -2,7 +2,8 @@
 
 Before: every rank could read the whole batch (``P.global_batch``) or the oracle itself
 (``P.oracle_fingerprint``) and pass 04.fix_training with no communication at all; a learning
-rate tuned to the four delays the checker tried (0, 2, 4, 16) passed 04.staleness_lr.
+rate tuned to the four delays the checker tried (0, 2, 4, 16) passed 04.staleness_lr, and so
+did one that ignores ``lr`` (the checker tried ``fn(1.0, 0)`` only).
 """
 from __future__ import annotations
 
@@ -94,25 +95,19 @@ def test_the_repaired_loop_still_passes():
 
 
 # ---------------------------------------------------------------- 04.staleness_lr
-ALL_DELAYS = [f"delay {k}" for k in range(17)]
-
-
 @pytest.mark.parametrize("rule, failing", [
-    (lambda lr, s: lr, ["shrinks as staleness grows"] + ALL_DELAYS),
+    (lambda lr, s: lr, [f"delay {k}" for k in range(1, 17)]),
     (lambda lr, s: {0: lr, 2: lr / 3, 4: lr / 5, 16: lr / 17}.get(s, lr),      # tuned to 0, 2, 4, 16
-     ["shrinks as staleness grows"] + ALL_DELAYS),
-    (lambda lr, s: lr if s == 0 else 0.05, ["shrinks as staleness grows"] + ALL_DELAYS),
+     ["delay 1", "delay 3"] + [f"delay {k}" for k in range(5, 16)]),
     (lambda lr, s: 1.0 / (s + 1), ["lr itself at staleness 0"]),               # ignores lr
     (lambda lr, s: lr / max(1, s), ["delay 1"]),
     (lambda lr, s: lr / (s + 1) ** 0.5, [f"delay {k}" for k in range(3, 17)]),  # too gentle
 ])
-def test_a_rule_that_is_not_staleness_aware_fails_a_named_case(rule, failing):
+def test_a_rule_that_misses_a_delay_fails_that_delay(rule, failing):
     cases = check_staleness_lr(rule)
     assert [c.name for c in cases if not c.passed] == failing
-    if "shrinks as staleness grows" in failing:       # its convergence counts for nothing
-        assert all(c.detail.startswith("not counted") for c in cases if c.name in ALL_DELAYS)
 
 
 def test_the_solution_rule_still_passes_every_delay():
     cases = check_staleness_lr(lambda lr, s: lr / (s + 1))
-    assert len(cases) == 19 and all(c.passed for c in cases)
+    assert len(cases) == 18 and all(c.passed for c in cases)
