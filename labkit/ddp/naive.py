@@ -71,7 +71,7 @@ class ReplicatedModule(nn.Module):
     buffers (BatchNorm's running statistics, say) into every rank when the forward before it
     ran with gradients enabled and outside :meth:`no_sync` (and the first forward always),
     as ``torch.nn.parallel.DistributedDataParallel`` does in torch 2.13
-    (tests/ddp/test_claims_ddp_semantics.py).
+    (tests/ddp/test_torch_ddp_semantics.py).
     """
 
     def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 import labkit as lk
 from labkit.ddp import BucketedDDP, NaiveDDP
 
-from test_claims_ddp_semantics import SYNCED, buffer_job, synced
+from test_torch_ddp_semantics import SYNCED, buffer_job, synced
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # ranks cannot import this file
 
