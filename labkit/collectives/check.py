@@ -1,104 +1,32 @@
 """Checking an all-reduce against ``dist.all_reduce``, case by case (the notebook 03 exercise).
 
-The cases are the tensors a hand-written all-reduce gets wrong: a length that the world
-size does not divide, fewer elements than ranks, one element, none, float64 and int64,
-several dimensions, a non-contiguous view. Each case runs on real ranks; the reference is
-``dist.all_reduce`` on the same inputs. Integer-valued inputs make the expected sums exact
-whatever order a ring adds them in; ``"random floats"`` is compared with a tolerance.
-Exposed as ``lk.collectives.CASES`` and ``lk.collectives.check_ring_exercise``. The quiz
-keys of notebook 03 (computed from the learner's own traced runs) are here too.
+Each case of :data:`~labkit.collectives.cases.CASES` runs on real ranks
+(:func:`~labkit.collectives.cases.compare_job`), on 2, 3 and 4 of them; on 3 and 4 the
+traffic case checks that each rank sends at most 2(N-1)/N·S bytes. A case passes only when
+every rank's result equals ``dist.all_reduce``'s, the ranks agree bit for bit, and no
+collective ran while the answer did. What the checker trusts (:mod:`labkit.collectives.watch`):
+every rank draws its inputs from a secret only it holds, so no rank can know another's tensor
+without receiving it; gloo's flight recorder lists any collective the answer reached, whatever
+the route; bytes come from the kernel's TCP counters. A case the checker cannot verify fails
+and says why. Exposed as ``lk.collectives.CASES`` and ``lk.collectives.check_ring_exercise``.
+The quiz keys of notebook 03 (computed from the learner's own traced runs) are here too.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
-import zlib
 from typing import Any, Callable
 
 from ..grading.exercise import Case, NotDone
 from ..runtime import run
-from .trace import Trace, tracing
+from .cases import CASES, TRAFFIC, case_tensor, compare_job
+from .trace import Trace
 
-__all__ = ["CASES", "case_tensor", "compare_job", "check_ring_exercise", "rank2_step3_bytes",
-           "master_bytes_received"]
+__all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job", "check_ring_exercise",
+           "rank2_step3_bytes", "master_bytes_received"]
 
-# name -> (shape as a function of the world size n, dtype, view)
-CASES: dict[str, tuple[Callable[[int], tuple], str, str]] = {
-    "divisible": (lambda n: (4 * n,), "float32", ""),
-    "not divisible": (lambda n: (4 * n + 1,), "float32", ""),
-    "fewer elements than ranks": (lambda n: (max(n - 1, 1),), "float32", ""),
-    "single element": (lambda n: (1,), "float32", ""),
-    "empty": (lambda n: (0,), "float32", ""),
-    "float64, 2-D": (lambda n: (3, 5), "float64", ""),
-    "int64": (lambda n: (2 * n + 3,), "int64", ""),
-    "3-D": (lambda n: (2, 3, 4), "float32", ""),
-    "non-contiguous": (lambda n: (5, 3), "float32", "transpose"),
-    "random floats": (lambda n: (1000,), "float32", "random"),
-}
-
-
-def case_tensor(name: str, rank: int, world_size: int, device: Any = "cpu"):
-    """The input tensor of case ``name`` on ``rank`` (deterministic)."""
-    import torch
-    shape_of, dtype, view = CASES[name]
-    shape = shape_of(world_size)
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 64 + rank)
-    if view == "random":
-        t = torch.randn(shape, generator=g, dtype=getattr(torch, dtype)) * 10
-    else:
-        t = torch.randint(-50, 51, shape, generator=g).to(getattr(torch, dtype))
-    if view == "transpose":
-        t = t.t()                                    # shape (3, 5), not contiguous
-    return t.to(device)
-
-
-def compare_job(rank: int, world_size: int, fn: Callable, names: list[str], op: str = "sum",
-                watch: bool = False) -> list[dict]:
-    """In every rank: run ``fn`` and ``dist.all_reduce`` on each case; one row per case.
-
-    ``fn(tensor)`` (or ``fn(tensor, op)`` when ``op="mean"``) all-reduces in place or returns
-    the result. A row: case, ok, status ("ok", "wrong", "not done"), detail, digest (a hash of
-    the result: all ranks must agree), sent (bytes sent, when ``watch``), collectives (those
-    ``fn`` called, when ``watch``). Each row is also printed as an ``@labkit-row`` line, so the
-    rows done survive a later case that raises or hangs. A case that raises ends the loop with
-    an error naming it, so peers waiting for this rank fail fast instead of hanging.
-    """
-    import torch
-    import torch.distributed as dist
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    rows = []
-    for name in names:
-        print(f"@labkit-case {name}", flush=True)   # where a hang happened, for the report
-        x = case_tensor(name, rank, world_size, device)
-        want = x.clone()
-        dist.all_reduce(want)
-        if op != "sum":
-            want = want / world_size
-        got, tr = x.clone(), None
-        try:
-            if watch:
-                with tracing(torch.empty(0, device=device)) as tr:
-                    out = fn(got)
-            else:
-                out = fn(got) if op == "sum" else fn(got, op)
-        except NotImplementedError:
-            rows.append(dict(case=name, ok=False, status="not done", detail="NotImplementedError",
-                             digest=0, sent=0, collectives=[], numel=x.numel(),
-                             element_size=x.element_size()))
-            print("@labkit-row " + json.dumps(rows[-1]), flush=True)
-            break
-        except Exception as exc:
-            raise RuntimeError(f"case {name!r} ({_describe(x)}): {type(exc).__name__}: {exc}") \
-                from exc
-        if isinstance(out, torch.Tensor):
-            got = out
-        ok, detail = _compare(got, want, x, CASES[name][2] == "random")
-        rows.append(dict(case=name, ok=ok, status="ok" if ok else "wrong", detail=detail,
-                         digest=_digest(got), numel=x.numel(), element_size=x.element_size(),
-                         sent=sum(e["bytes"] for e in tr.events if e["op"] == "send") if tr else 0,
-                         collectives=sorted(set(tr.collectives)) if tr else []))
-        print("@labkit-row " + json.dumps(rows[-1]), flush=True)
-    return rows
+_HEADER_BYTES = 160        # gloo's framing per send/recv pair is 144 bytes (torch 2.13)
 
 
 # ------------------------------------------------------------------ the exercise checker
@@ -106,11 +34,13 @@ def check_ring_exercise(fn: Callable, world_sizes: tuple = (2, 3, 4), timeout: f
                         names: list[str] | None = None) -> list:
     """Check the learner's ``fn(tensor)`` against ``dist.all_reduce``: one Case per tensor case.
 
-    For each world size one job runs every case in :data:`CASES` (a stub stops at the first:
-    "not done yet"). Then, on 3 and 4 ranks, a traffic case: a ring sends at most
-    2(N-1)/N·S bytes per rank (the naive master approach sends (N-1)·S from rank 0).
-    A deadlock fails that world size's remaining cases within ``timeout`` seconds and skips
-    the larger world sizes. Returns ``list[Case]`` (see :mod:`labkit.grading.exercise`).
+    For each world size one gloo job runs every case in :data:`CASES` (a stub stops at the
+    first: "not done yet"). Then, on 3 and 4 ranks, the :data:`TRAFFIC` case: a ring sends at
+    most 2(N-1)/N·S bytes per rank (the naive master approach sends (N-1)·S from rank 0). A
+    case passes only if every rank's result is right, the ranks agree, no collective ran while
+    the answer did (by any route) and, for the traffic case, the bytes were measured. A
+    deadlock fails that world size's remaining cases within ``timeout`` seconds and skips the
+    larger world sizes. Returns ``list[Case]`` (see :mod:`labkit.grading.exercise`).
 
     Example::
 
@@ -121,22 +51,31 @@ def check_ring_exercise(fn: Callable, world_sizes: tuple = (2, 3, 4), timeout: f
     stopped = ""
     for n in world_sizes:
         labels = [f"{n} ranks, {name}" for name in names]
-        labels += [f"{n} ranks, bytes sent per rank"] if n >= 3 else []
+        labels += [f"{n} ranks, {TRAFFIC}"] if n >= 3 else []
         if stopped:
             cases += [Case(label, False, stopped) for label in labels]
             continue
-        res = run(compare_job, n, args=(fn, names, "sum", True), timeout=timeout,
-                  deadline=timeout + 3, check=False, echo=False)
-        rows = [_rows_of(res[r].stdout) for r in range(n)]
+        # gloo: the flight recorder and the TCP counters are what the checker reads. Fresh
+        # ranks: a warm rank's full flight recorder would make every read slow.
+        res = run(compare_job, n, args=(fn, names, "sum", True), backend="gloo",
+                  timeout=timeout, deadline=timeout + 3, check=False, echo=False, fresh=True,
+                  env=_recorder_env())
+        rows = [_rows_of(res[r]) for r in range(n)]
         if any(row["status"] == "not done" for rank_rows in rows for row in rank_rows):
             raise NotDone(f"{n} ranks")
         verdicts = [_verdict(n, name, rows, res) for name in names]
         if n >= 3:
-            verdicts.append(_traffic(n, rows) if res.ok else (False, "not run: a case failed"))
+            verdicts.append(_traffic(n, rows, res))
         cases += [Case(label, *v) for label, v in zip(labels, verdicts)]
         if not res.ok and _stuck(res):
             stopped = f"not run: the job on {n} ranks deadlocked"
     return cases
+
+
+def _recorder_env() -> dict | None:
+    """Turn the flight recorder back on for the checker's ranks if the environment set it."""
+    keys = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+    return {k: "2000" for k in keys} if any(k in os.environ for k in keys) else None
 
 
 def _stuck(res) -> bool:
@@ -156,7 +95,14 @@ def _failure(res):
     return failed[0] if failed else None
 
 
-def _rows_of(stdout: str) -> list[dict]:
+def _rows_of(rank) -> list[dict]:
+    """A rank's rows: what it returned when it finished, else the rows it printed before."""
+    if rank.ok and isinstance(rank.value, list):
+        return rank.value
+    return _printed_rows(rank.stdout)
+
+
+def _printed_rows(stdout: str) -> list[dict]:
     return [json.loads(ln[len("@labkit-row "):]) for ln in stdout.splitlines()
             if ln.startswith("@labkit-row ")]
 
@@ -165,13 +111,12 @@ def _verdict(n: int, name: str, rows: list[list[dict]], res) -> tuple:
     """(passed, detail) of one case across all ranks of one job."""
     mine = [next((row for row in rank_rows if row["case"] == name), None) for rank_rows in rows]
     if all(row is not None for row in mine):
+        problem = _watched_problem(mine)
+        if problem:
+            return False, problem
         bad = [(r, row) for r, row in enumerate(mine) if not row["ok"]]
         if bad:
             return False, f"rank {bad[0][0]}: {bad[0][1]['detail']}"
-        used = sorted({c for row in mine for c in row["collectives"]})
-        if used:
-            return False, (f"called dist.{used[0]}: build the all-reduce from dist.isend/irecv "
-                           f"(point-to-point messages) instead")
         if len({row["digest"] for row in mine}) > 1:
             return False, "ranks hold different results: every rank must end with the same tensor"
         return True, mine[0]["detail"]
@@ -199,56 +144,53 @@ def _clean(text: str) -> str:
 def _last_case(stdout: str) -> str | None:
     marks = [ln[len("@labkit-case "):] for ln in stdout.splitlines()
              if ln.startswith("@labkit-case ")]
-    done = {row["case"] for row in _rows_of(stdout)}
+    done = {row["case"] for row in _printed_rows(stdout)}
     return next((c for c in reversed(marks) if c not in done), None)
 
 
-def _traffic(n: int, rows: list[list[dict]]) -> tuple:
-    sent = [next(row for row in rank_rows if row["case"] == "divisible") for rank_rows in rows]
+def _watched_problem(mine: list[dict]) -> str | None:
+    """Why a case fails whatever its numbers: a rank unwatched, or a collective it ran."""
+    for r, row in enumerate(mine):
+        if row.get("unwatched"):
+            return f"cannot verify on rank {r}: {row['unwatched']}"
+    for r, row in enumerate(mine):
+        if row["collectives"]:
+            used = ", ".join(sorted({c.split(":")[-1] for c in row["collectives"]}))
+            return (f"rank {r} ran a collective ({used}) while your function ran; gloo "
+                    f"recorded it whatever the route (dist.*, the process group object, a "
+                    f"group of your own). Build the all-reduce from dist.isend/irecv "
+                    f"(point-to-point messages) instead")
+    return None
+
+
+def _traffic(n: int, rows: list[list[dict]], res) -> tuple:
+    """The traffic case: right result, no collective, at most 2(N-1)/N·S bytes per rank."""
+    sent = [next((row for row in rank_rows if row["case"] == TRAFFIC), None)
+            for rank_rows in rows]
+    if any(row is None for row in sent):
+        return False, ("not run: a case failed" if not res.ok else
+                       "cannot verify: a rank reported no traffic row")
+    problem = _watched_problem(sent)
+    if problem:
+        return False, problem
+    wrong = next((r for r, row in enumerate(sent) if not row["ok"]), None)
+    if wrong is not None:
+        return False, (f"not counted: the result was wrong on rank {wrong} "
+                       f"({sent[wrong]['detail']}); bytes only count for a correct all-reduce")
     s = sent[0]["numel"] * sent[0]["element_size"]
     limit = 2 * (n - 1) / n * s
-    if all(row["sent"] == 0 for row in sent):
-        return True, "could not watch the messages (isend/irecv imported under another name?)"
+    if all(row["sent"] <= 0 for row in sent):
+        return False, ("cannot verify: the result is right but no rank's TCP sockets sent a "
+                       "byte while your function ran; the data moved some way the checker "
+                       "cannot see. Use dist.isend/irecv")
     worst = max(range(n), key=lambda r: sent[r]["sent"])
-    if sent[worst]["sent"] > limit + 2 * (n - 1) * sent[0]["element_size"]:
-        return False, (f"rank {worst} sent {sent[worst]['sent']} bytes of a {s}-byte tensor; "
-                       f"a ring sends 2(N-1)/N·S = {limit:.0f}. Send one chunk per step, not "
-                       f"the whole tensor")
-    most = max(r["sent"] for r in sent)
-    return True, f"each rank sent at most {most} bytes (2(N-1)/N·S = {limit:.0f})"
-
-
-def _describe(t) -> str:
-    layout = "" if t.is_contiguous() else ", non-contiguous"
-    return f"shape {tuple(t.shape)}, {str(t.dtype).replace('torch.', '')}{layout}"
-
-
-def _compare(got, want, x, tolerant: bool) -> tuple[bool, str]:
-    import torch
-    if not isinstance(got, torch.Tensor):
-        return False, f"got {type(got).__name__}, expected the all-reduced tensor"
-    if got.shape != want.shape:
-        return False, f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    if got.dtype != want.dtype:
-        return False, f"dtype {got.dtype}, expected {want.dtype}"
-    if tolerant:
-        close = torch.isclose(got, want, rtol=1e-5, atol=1e-4)
-    else:
-        close = got == want
-    if bool(close.all()):
-        return True, f"{_describe(x)}: matches dist.all_reduce"
-    bad = (~close).reshape(-1).nonzero()[0].item()
-    flat_g, flat_w = got.reshape(-1), want.reshape(-1)
-    return False, (f"{_describe(x)}: element {bad} is {flat_g[bad].item():g}, dist.all_reduce "
-                   f"gives {flat_w[bad].item():g} ({int((~close).sum())} of {close.numel()} "
-                   f"elements differ)")
-
-
-def _digest(t) -> int:
-    try:
-        return zlib.crc32(t.detach().cpu().contiguous().numpy().tobytes())
-    except Exception:  # noqa: BLE001  (bfloat16 and friends)
-        return hash(tuple(t.detach().cpu().reshape(-1).tolist()))
+    most = sent[worst]["sent"]
+    if most > limit + 2 * (n - 1) * _HEADER_BYTES:
+        return False, (f"rank {worst} sent {most} bytes for a {s}-byte tensor; a ring sends "
+                       f"2(N-1)/N·S = {limit:.0f} (plus gloo's headers). Send one chunk per "
+                       f"step, not the whole tensor")
+    return True, (f"each rank sent at most {most} bytes, counted on its TCP sockets "
+                  f"(2(N-1)/N·S = {limit:.0f}, plus gloo's message headers)")
 
 
 # ------------------------------------------------------------- quiz keys (notebook 03)

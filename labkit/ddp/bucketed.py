@@ -85,13 +85,21 @@ class BucketedDDP(ReplicatedModule):
     backward produces gradients) and always launched in bucket order, so every
     rank issues the same collectives in the same order even if hooks fire in
     a different order. A bucket whose parameter got no gradient this step is
-    launched by :meth:`finish_gradient_synchronization` (missing gradients
-    count as zeros).
+    launched by :meth:`finish_gradient_synchronization`.
+
+    Unused parameters, as torch's ``DistributedDataParallel(find_unused_parameters=True)``
+    treats them (torch 2.13, tests/ddp/): each rank notes which parameters got a gradient
+    since the last synchronisation (micro-batches under :meth:`no_sync` included), and one
+    more small all-reduce adds up these notes. A parameter that **no rank** used keeps its
+    ``.grad`` untouched (``None`` stays ``None``, so a momentum optimizer leaves it alone);
+    one that **some** ranks used gets the average over all ranks, a rank that did not use it
+    contributing what its ``.grad`` holds (zeros when it is ``None``). Frozen parameters
+    (``requires_grad=False``) are never touched.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None,
-                 timeline: Timeline | None = None) -> None:
-        super().__init__(module, group)
+                 timeline: Timeline | None = None, broadcast_buffers: bool = True) -> None:
+        super().__init__(module, group, broadcast_buffers)
         self.timeline, self.bucket_cap_mb = timeline, bucket_cap_mb
         self.world_size = dist.get_world_size(group)
         params = [p for p in module.parameters() if p.requires_grad][::-1]
@@ -99,6 +107,8 @@ class BucketedDDP(ReplicatedModule):
                                 keys=[(p.dtype, p.device) for p in params])
         self._buckets = [_Bucket([params[i] for i in idx]) for idx in groups]
         self._where = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
+        self._order = {id(p): i for i, p in enumerate(params)}   # index into the used map
+        self._used: set[int] = set()          # got a gradient since the last synchronisation
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
 
@@ -109,6 +119,7 @@ class BucketedDDP(ReplicatedModule):
         return [[names[id(p)] for p in b.params] for b in self._buckets]
 
     def _grad_ready(self, param: nn.Parameter) -> None:
+        self._used.add(id(param))
         if not self._sync:
             return
         b = self._where[id(param)]
@@ -141,12 +152,26 @@ class BucketedDDP(ReplicatedModule):
         self.allreduce_calls += 1
         self._next = b + 1
 
+    def _launch_used_map(self):
+        """All-reduce how many ranks used each parameter (async; after the buckets, everywhere)."""
+        flags = torch.zeros(len(self._order), dtype=torch.int32,
+                            device=self._buckets[0].buffer.device)
+        for pid in self._used:
+            flags[self._order[pid]] = 1
+        return flags, dist.all_reduce(flags, group=self.group, async_op=True)
+
     def finish_gradient_synchronization(self) -> None:
-        """Launch any bucket still waiting, wait for all, and write the averages into ``.grad``."""
+        """Launch any bucket still waiting, wait for all, and write the averages into ``.grad``.
+
+        A parameter no rank used keeps its ``.grad`` as it is (see the class docstring).
+        """
         if not self._sync:
+            return
+        if not self._buckets:
             return
         while self._next < len(self._buckets):  # unused parameters: launch in bucket order
             self._launch(self._next)
+        used, used_work = self._launch_used_map()
         for b, bucket in enumerate(self._buckets):
             bucket.work.wait()
             waited = now()
@@ -158,13 +183,22 @@ class BucketedDDP(ReplicatedModule):
             with torch.no_grad():
                 for p in bucket.params:
                     avg = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if id(p) not in self._used:       # not here: was it used anywhere?
+                        if used_work is not None:
+                            used_work.wait()
+                            used_work = None
+                        if int(used[self._order[id(p)]]) == 0:
+                            continue                  # unused on every rank: leave .grad alone
                     if p.grad is None:
                         p.grad = avg.clone()
                     else:
                         p.grad.copy_(avg)
-                    offset += p.numel()
             bucket.ready.clear()
             bucket.work = None
+        if used_work is not None:
+            used_work.wait()
+        self._used.clear()
         self._next = 0
 
     def remove_hooks(self) -> None:

@@ -1,157 +1,120 @@
-"""The "build DDP by hand" exercise checker: gradient averaging against a single-process oracle.
+"""The "build DDP by hand" exercise checkers: every rank, every step, against a one-process oracle.
 
 Graded in the style of Stanford CS336 assignment 2, but stricter:
 
-* the model has the traps: a **frozen** parameter (``.grad`` is ``None``),
-  **tied** weights (embedding = output layer, one parameter used twice), and a
-  **mean** loss, so summing the gradients instead of averaging them fails;
-* **every rank is compared at every step** (gradients after your sync, and
-  parameters after the optimizer step), not just rank 0 at the end;
-* **2, 3 and 4 ranks**, and the last batch is **uneven** (ranks get 3, 2, 3, 2
-  examples) — DDP then averages each rank's mean-loss gradient, which is what
-  the oracle computes too;
-* **short timeouts**: an answer that deadlocks (a collective only some ranks
-  call) fails in seconds, naming the rank and where it was stuck.
-
-The oracle is one process that holds the whole batch and computes
-``mean over ranks of (mean loss on that rank's shard)`` — exactly what
-``torch.nn.parallel.DistributedDataParallel`` computes (tests/ddp/test_ddp.py
-checks this).
+* the model (:class:`~labkit.ddp.oracle.TiedTiny`) has the traps: a **frozen** parameter,
+  **tied** weights, a **buffer**, and a **mean** loss, so summing instead of averaging fails;
+* **every rank is compared at every step** (gradients after your sync, parameters and buffers
+  after the optimizer step), not just rank 0 at the end; **2, 3 and 4 ranks**; the last batch
+  is **uneven**;
+* **nothing to copy**: every rank draws its data (and, for the wrapper, its initial weights and
+  buffers) from a secret only it holds; the oracle is replayed afterwards, in the checker's
+  process, from what the ranks report. A rank cannot know the average without receiving the
+  other ranks' gradients, and a wrapper that skips step 1 (broadcast rank 0's parameters *and*
+  buffers) starts from the wrong weights;
+* the wrapper must **overlap**: every gradient is all-reduced asynchronously during backward
+  (not a token all-reduce), and every handle is waited for before the optimizer step;
+* **short timeouts**: an answer that deadlocks fails in seconds, naming the rank and the line.
 
 Example::
 
-    def average_gradients(model):
-        ...                                  # your answer
     lk.exercise.check("02.average_gradients", average_gradients)   # per-case report
     cases = lk.ddp.check.check_average_gradients(average_gradients)  # list of exercise.Case
 """
 from __future__ import annotations
 
+import os
 import re
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..common.ranks import device
 from ..grading.exercise import Case
 from ..runtime import run
+from .naive import broadcast_parameters
+from .oracle import (LR, STEPS, TiedTiny, oracle_history, rank_batches, sgd_step,
+                     shard_batches, state_of)
 
 __all__ = ["TiedTiny", "shard_batches", "oracle_history", "check_average_gradients",
            "check_ddp_wrapper", "WORLD_SIZES"]
 
 WORLD_SIZES = (2, 3, 4)
-STEPS, LR, SEED, BATCH = 3, 0.5, 1234, 4
 TIMEOUT_S = 3.0          # a collective waiting longer than this is a deadlock here
 ATOL, RTOL = 1e-5, 1e-4
 
 
-class TiedTiny(nn.Module):
-    """A tiny next-token model with the traps: tied embedding/output weights and a frozen layer."""
+class _Spy:
+    """Stands in for ``dist.all_reduce`` in a rank: who called it, when, on how much, waited?"""
 
-    def __init__(self, vocab: int = 11, dim: int = 6) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.frozen = nn.Linear(dim, dim)
-        self.frozen.requires_grad_(False)
-        self.hidden = nn.Linear(dim, dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight          # tied: one parameter, used twice
+    def __init__(self, original) -> None:
+        self.original, self.calls = original, []
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens).mean(dim=1)
-        h = torch.tanh(self.hidden(torch.tanh(self.frozen(h))))
-        return self.head(h)
-
-
-def shard_batches(world_size: int, steps: int = STEPS, batch: int = BATCH,
-                  seed: int = SEED) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``[step][rank] -> (tokens, targets)``; the last step is uneven (3, 2, 3, 2 ... examples)."""
-    g = torch.Generator().manual_seed(seed + world_size)
-    out = []
-    for step in range(steps):
-        sizes = [batch] * world_size if step < steps - 1 else \
-            [batch - 1 - (r % 2) for r in range(world_size)]
-        out.append([(torch.randint(0, 11, (n, 3), generator=g),
-                     torch.randint(0, 11, (n,), generator=g)) for n in sizes])
-    return out
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.detach().clone()
-            for n, p in model.named_parameters()}
-
-
-def _params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _sgd_step(model: nn.Module, lr: float) -> None:
-    # Plain SGD by hand: torch.optim's first use in a fresh process imports torch._dynamo
-    # (seconds on 2 busy cores), which would dominate the grader's runtime.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.sub_(p.grad, alpha=lr)
-
-
-def oracle_history(world_size: int, steps: int = STEPS, lr: float = LR,
-                   seed: int = SEED) -> list[dict]:
-    """One process, whole batch: per step the averaged gradients, the local ones, the parameters."""
-    torch.manual_seed(seed)
-    model = TiedTiny()
-    history = []
-    for shards in shard_batches(world_size, steps, seed=seed):
-        local = []
-        for x, y in shards:                        # each rank's own gradient, for diagnosis
-            model.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            local.append(_grads(model))
-        model.zero_grad()
-        loss = sum(F.cross_entropy(model(x), y) for x, y in shards) / world_size
-        loss.backward()
-        grads = _grads(model)
-        _sgd_step(model, lr)
-        history.append({"grads": grads, "local": local, "params": _params(model)})
-    return history
-
-
-def _rank_case(rank: int, world_size: int, answer, mode: str, steps: int, lr: float,
-               seed: int) -> dict:
-    """Runs in every rank: train with the learner's answer, record everything, every step."""
-    import torch.distributed as dist
-
-
-    dev = device()
-    torch.manual_seed(seed)                     # the harness replicates: same init everywhere
-    model = TiedTiny().to(dev)
-    calls: list[tuple[bool, bool]] = []         # (issued during backward, async)
-    original = dist.all_reduce
-
-    def spy(tensor, *args, **kwargs):
+    def __call__(self, tensor, *args, **kwargs):
         # positional order: all_reduce(tensor, op, group, async_op)
-        is_async = kwargs.get("async_op", args[2] if len(args) > 2 else False)
-        calls.append((torch._C._current_graph_task_id() != -1, bool(is_async)))
-        return original(tensor, *args, **kwargs)
+        is_async = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+        call = {"during": torch._C._current_graph_task_id() != -1, "async": is_async,
+                "numel": tensor.numel(), "waited": not is_async}
+        self.calls.append(call)
+        work = self.original(tensor, *args, **kwargs)
+        return _Handle(work, call) if is_async and work is not None else work
 
+
+class _Handle:
+    """The async all-reduce's handle, noting whether anyone waited for it."""
+
+    def __init__(self, work, call: dict) -> None:
+        self._work, self._call = work, call
+
+    def wait(self, *args, **kwargs):
+        self._call["waited"] = True
+        return self._work.wait(*args, **kwargs)
+
+    def get_future(self):
+        self._call["waited"] = True
+        return self._work.get_future()
+
+    def is_completed(self) -> bool:
+        done = self._work.is_completed()
+        self._call["waited"] = self._call["waited"] or done
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+def _rank_case(rank: int, world_size: int, answer, mode: str, steps: int, lr: float) -> dict:
+    """Runs in every rank: train with the learner's answer from private data, record each step."""
+    import torch.distributed as dist
+    secret = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+    torch.manual_seed(int(torch.randint(2**62, (1,), generator=secret)))
+    model = TiedTiny().to(device())              # weights and buffer differ on every rank
+    before = state_of(model)
+    if mode == "function":
+        broadcast_parameters(model)              # the harness does step 1 for this exercise
+    spy = _Spy(dist.all_reduce)
     dist.all_reduce = spy
     try:
         wrapped = answer(model) if mode == "wrapper" else model
+        start = state_of(model)
+        batches = rank_batches(rank, world_size, secret, steps)
         steps_out = []
-        for shards in shard_batches(world_size, steps, seed=seed):
-            x, y = (t.to(dev) for t in shards[rank])
+        for x, y in batches:
+            first = len(spy.calls)
             model.zero_grad()
-            F.cross_entropy(wrapped(x), y).backward()
+            F.cross_entropy(wrapped(x.to(device())), y.to(device())).backward()
             if mode == "wrapper":
                 wrapped.finish_gradient_synchronization()
             else:
                 answer(model)
-            grads = _grads(model)
-            _sgd_step(model, lr)
-            steps_out.append({"grads": grads, "params": _params(model)})
+            grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
+                     for n, p in model.named_parameters()}
+            sgd_step(model, lr)
+            steps_out.append({"grads": grads, "params": state_of(model),
+                              "calls": [dict(c) for c in spy.calls[first:]]})
     finally:
-        dist.all_reduce = original
-    return {"steps": steps_out, "calls": calls}
+        dist.all_reduce = spy.original
+    return {"before": before, "start": start, "batches": batches, "steps": steps_out}
 
 
 def _diagnose(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
@@ -185,7 +148,25 @@ def _rank_problem(world_size: int, got: dict, want: dict, local: dict) -> str | 
             return msg
     for name, w in want["params"].items():
         if not torch.allclose(got["params"][name], w, atol=ATOL, rtol=RTOL):
-            return f"parameter `{name}` after the optimizer step differs from the oracle."
+            return f"`{name}` after the optimizer step differs from the oracle."
+    return None
+
+
+def _start_problem(values: list[dict], mode: str) -> str | None:
+    """Step 1: every rank must start from rank 0's own parameters and buffers."""
+    want, buffers = values[0]["before"], dict(TiedTiny().named_buffers())
+    who = "your wrapper" if mode == "wrapper" else "replication"
+    for r, v in enumerate(values):
+        for name, w in want.items():
+            if torch.equal(v["start"][name], w):
+                continue
+            kind = "buffer" if name in buffers else "parameter"
+            if r == 0:
+                return (f"after {who}, rank 0's {kind} `{name}` is not the one rank 0 started "
+                        f"with: replicate rank 0's weights (src=0) instead of replacing them.")
+            return (f"after {who}, rank {r}'s {kind} `{name}` is still its own, not rank 0's: "
+                    f"step 1 broadcasts rank 0's parameters and buffers to every rank "
+                    f"(dist.broadcast(t.data, src=0) for each) before training.")
     return None
 
 
@@ -203,6 +184,28 @@ def _compare(world_size: int, values: list[dict], oracle: list[dict]) -> str | N
                         f"got the averaged gradients (a grader that checks rank 0 alone would "
                         f"have passed this).")
             return f"step {step}, rank {bad[0]}: {problems[bad[0]]}{hint}"
+    return None
+
+
+def _overlap_problem(values: list[dict]) -> str | None:
+    """The wrapper's all-reduces: every gradient in flight during backward, every handle waited."""
+    need = sum(p.numel() for p in TiedTiny().parameters() if p.requires_grad)
+    for r, v in enumerate(values):
+        for step, s in enumerate(v["steps"]):
+            overlapped = sum(c["numel"] for c in s["calls"] if c["during"] and c["async"])
+            if overlapped == 0:
+                return ("numbers are right, but no all_reduce was launched with async_op=True "
+                        "during backward: there is no overlap. Launch it from a gradient hook "
+                        "(register_post_accumulate_grad_hook).")
+            if overlapped < need:
+                return (f"step {step}, rank {r}: only {overlapped} of the {need} gradient "
+                        f"elements were all-reduced asynchronously during backward; every "
+                        f"gradient's all-reduce must start from its hook.")
+            unwaited = sum(not c["waited"] for c in s["calls"])
+            if unwaited:
+                return (f"step {step}, rank {r}: finish_gradient_synchronization() returned "
+                        f"without waiting for {unwaited} all-reduce handle(s); the optimizer "
+                        f"step may read half-reduced gradients. Call .wait() on every handle.")
     return None
 
 
@@ -231,33 +234,34 @@ def _failure(name: str, bad) -> Case:
     return Case(name, False, f"rank {bad.rank} failed{where}: {bad.describe().rstrip('.')}.{hint}")
 
 
-def _run_case(answer, mode: str, world_size: int, steps: int, lr: float, seed: int):
+def _run_case(answer, mode: str, world_size: int, steps: int, lr: float):
     """(Case or None, flag): flag is "stub" for an unanswered exercise, "stop" after a deadlock."""
     name = f"{world_size} ranks"
-    res = run(_rank_case, world_size, args=(answer, mode, steps, lr, seed), timeout=TIMEOUT_S,
-                 deadline=TIMEOUT_S + 4.0, check=False, echo=False)
+    res = run(_rank_case, world_size, args=(answer, mode, steps, lr), timeout=TIMEOUT_S,
+              deadline=TIMEOUT_S + 4.0, check=False, echo=False)
     if not res.ok:
         bad = res.first_failure()
         if "NotImplementedError" in (bad.error or ""):
             return None, "stub"
         case = _failure(name, bad)
         return case, "stop" if "deadlock" in case.detail else None
-    problem = _compare(world_size, res.values, oracle_history(world_size, steps, lr, seed))
+    values = res.values
+    shards = [[values[r]["batches"][s] for r in range(world_size)] for s in range(steps)]
+    oracle = oracle_history(world_size, steps, lr, init=values[0]["before"], shards=shards)
+    problem = _start_problem(values, mode) or _compare(world_size, values, oracle)
+    if problem is None and mode == "wrapper":
+        problem = _overlap_problem(values)
     if problem:
         return Case(name, False, problem), None
-    calls = res.values[0]["calls"]
-    if mode == "wrapper" and not any(during and is_async for during, is_async in calls):
-        return Case(name, False, "numbers are right, but no all_reduce was launched with "
-                    "async_op=True during backward: there is no overlap. Launch it from a "
-                    "gradient hook (register_post_accumulate_grad_hook)."), None
+    calls = sum(len(s["calls"]) for s in values[0]["steps"])
     return Case(name, True, f"every rank matches the oracle at all {steps} steps "
-                f"({len(calls) // steps} all_reduce calls per step)"), None
+                f"({calls // steps} all_reduce calls per step)"), None
 
 
-def _check(answer, mode: str, world_sizes, steps: int, lr: float, seed: int) -> list[Case]:
+def _check(answer, mode: str, world_sizes, steps: int, lr: float) -> list[Case]:
     cases: list[Case] = []
     for ws in world_sizes:
-        case, flag = _run_case(answer, mode, ws, steps, lr, seed)
+        case, flag = _run_case(answer, mode, ws, steps, lr)
         if flag == "stub":    # lk.exercise reports "not done yet"
             raise NotImplementedError("the answer still raises NotImplementedError")
         cases.append(case)
@@ -268,26 +272,30 @@ def _check(answer, mode: str, world_sizes, steps: int, lr: float, seed: int) -> 
     return cases
 
 
-def check_average_gradients(fn, world_sizes=WORLD_SIZES, steps: int = STEPS, lr: float = LR,
-                            seed: int = SEED) -> list[Case]:
+def check_average_gradients(fn, world_sizes=WORLD_SIZES, steps: int = STEPS,
+                            lr: float = LR) -> list[Case]:
     """Grade ``fn(model)``, called in every rank after ``loss.backward()``, before the SGD step.
 
-    One :class:`~labkit.grading.exercise.Case` per world size; raises ``NotImplementedError``
-    while ``fn`` is the stub (``lk.exercise.check`` then says "not done yet").
+    The harness replicates the model (step 1) itself; ``fn`` must leave every rank's ``.grad``
+    equal to the oracle's average. One :class:`~labkit.grading.exercise.Case` per world size;
+    raises ``NotImplementedError`` while ``fn`` is the stub ("not done yet").
 
     Example::
 
         lk.exercise.check("02.average_gradients", average_gradients)
         # or directly: [c.passed for c in check_average_gradients(average_gradients)]
     """
-    return _check(fn, "function", tuple(world_sizes), steps, lr, seed)
+    return _check(fn, "function", tuple(world_sizes), steps, lr)
 
 
-def check_ddp_wrapper(cls, world_sizes=WORLD_SIZES, steps: int = STEPS, lr: float = LR,
-                      seed: int = SEED) -> list[Case]:
+def check_ddp_wrapper(cls, world_sizes=WORLD_SIZES, steps: int = STEPS,
+                      lr: float = LR) -> list[Case]:
     """Grade an overlapping DDP class: ``cls(model)``, then ``.finish_gradient_synchronization()``.
 
-    Besides matching the oracle on every rank at every step, at least one
-    ``dist.all_reduce(..., async_op=True)`` must be issued during backward.
+    Every rank hands ``cls`` a model with its own weights and buffer: the wrapper must
+    broadcast rank 0's (step 1). Besides matching the oracle on every rank at every step, every
+    gradient must be all-reduced with ``dist.all_reduce(..., async_op=True)`` during backward,
+    and every handle waited for in ``finish_gradient_synchronization``.
     """
-    return _check(cls, "wrapper", tuple(world_sizes), steps, lr, seed)
+    return _check(cls, "wrapper", tuple(world_sizes), steps, lr)
+

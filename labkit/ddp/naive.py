@@ -6,7 +6,7 @@ is the lesson:
 
 * :func:`broadcast_parameters` — step 1, every rank starts from rank 0's parameters and buffers;
 * :func:`average_gradients` — step 5, one blocking ``all_reduce`` per gradient, divided by N;
-* :class:`NaiveDDP` — both in a wrapper: every byte of communication happens after all the
+* :class:`NaiveDDP` — both in a wrapper: every gradient byte is communicated after all the
   compute.
 
 Tested against ``torch.nn.parallel.DistributedDataParallel`` and a single-process run on the
@@ -46,7 +46,10 @@ def average_gradients(module: nn.Module, group=None) -> int:
 
     Parameters without a gradient (frozen, or unused this step) are skipped; a
     tied weight is one parameter and is reduced once. Returns the number of
-    ``all_reduce`` calls made.
+    ``all_reduce`` calls made. Skipping is right for a parameter that no rank used; one
+    used on some ranks only would make the ranks issue different all-reduces: that takes
+    :class:`~labkit.ddp.bucketed.BucketedDDP`'s bookkeeping (or torch DDP's
+    ``find_unused_parameters=True``).
     """
     require_process_group("average_gradients")
     world_size = dist.get_world_size(group)
@@ -62,23 +65,38 @@ def average_gradients(module: nn.Module, group=None) -> int:
 
 class ReplicatedModule(nn.Module):
     """What both hand-written DDPs share: one replica per rank, identical from the start
-    (broadcast from rank 0), and a switch to skip synchronisation for accumulation."""
+    (broadcast from rank 0), and a switch to skip synchronisation for accumulation.
 
-    def __init__(self, module: nn.Module, group=None) -> None:
+    With ``broadcast_buffers=True`` (torch DDP's default) a forward first copies rank 0's
+    buffers (BatchNorm's running statistics, say) into every rank when the forward before it
+    ran with gradients enabled and outside :meth:`no_sync` (and the first forward always),
+    as ``torch.nn.parallel.DistributedDataParallel`` does in torch 2.13
+    (tests/ddp/test_torch_ddp_semantics.py).
+    """
+
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True) -> None:
         super().__init__()
         require_process_group(type(self).__name__)
         self.module, self.group = module, group
+        self.broadcast_buffers = broadcast_buffers
         self.allreduce_calls = 0
         self._sync = True
+        self._sync_buffers_next = True
         broadcast_parameters(module, group=group)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        if self.broadcast_buffers and self._sync_buffers_next:
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, src=0, group=self.group)
+        out = self.module(*args, **kwargs)
+        self._sync_buffers_next = torch.is_grad_enabled() and self._sync
+        return out
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (gradient accumulation's micro-batches): nothing is
-        communicated until the block ends."""
+        """Accumulate gradients locally (gradient accumulation's micro-batches): no gradient is
+        communicated until the block ends (buffers still are, before each forward)."""
         old, self._sync = self._sync, False
         try:
             yield
@@ -92,13 +110,14 @@ class NaiveDDP(ReplicatedModule):
     Args:
         module: the model, already on :func:`~labkit.common.ranks.device`.
         group: process group (default: the whole world).
+        broadcast_buffers: copy rank 0's buffers into every rank before each forward.
 
     Call :meth:`finish_gradient_synchronization` after ``loss.backward()`` and
-    before ``optimizer.step()``. ``allreduce_calls`` counts the collectives.
+    before ``optimizer.step()``. ``allreduce_calls`` counts the gradient all-reduces.
     """
 
-    def __init__(self, module: nn.Module, group=None) -> None:
-        super().__init__(module, group)
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True) -> None:
+        super().__init__(module, group, broadcast_buffers)
 
     def finish_gradient_synchronization(self) -> None:
         """All-reduce and average every gradient (skipped inside :meth:`no_sync`)."""

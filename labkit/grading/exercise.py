@@ -32,9 +32,15 @@ A checker is a plain function in a lesson's ``check.py``, ``check_x(fn) -> list[
    an ``AssertionError`` message is the failure detail (say which rank, what was
    expected, what came back), other exceptions and failed jobs become failed
    cases, and a ``NotImplementedError`` stops the check with "not done yet".
-4. Seed inside the ranks (``torch.manual_seed``): a checker must be deterministic.
-   It runs in the learner's kernel and in the grader, so it must not read
-   notebook globals.
+4. Give nothing away: draw each rank's data (and weights, where the exercise must
+   replicate them) from a secret only that rank holds (``os.urandom`` inside the
+   rank), have the ranks report it, and build the oracle from the reports after
+   they ran. An answer then cannot copy the oracle, read its inputs from the
+   checker, or skip the communication. Values may differ between runs; verdicts
+   must not (the same answer passes and fails the same cases). A case an answer
+   passes idly (nothing to check because it skipped the work) counts for nothing.
+   The checker runs in the learner's kernel and in the grader, so it must not
+   read notebook globals.
 
 Example::
 

@@ -7,10 +7,13 @@ the activation's gradient back; rank 0 receives it and finishes backward.
 Rank 1 returns the loss, rank 0 returns ``None``.
 
 Each case runs on 2 real ranks and compares **both** stages' gradients (and
-the loss) with the same model run whole in one process, at every step. Rank
-1's ``x`` is filled with NaN: it must use what rank 0 sent, not its own copy.
-Short timeouts turn a missing ``send``/``recv`` (a deadlock) into a failed case
-within seconds.
+the loss) with the same model run whole in one process, at every step. Nothing
+can be computed without the messages: each rank draws its own stage's weights
+and its own data (rank 0 the input ``x``, rank 1 the ``target``) from a secret
+only it holds; rank 1's ``x`` and rank 0's ``target`` are filled with NaN. The
+oracle is rebuilt afterwards, in the checker's process, from what the ranks
+report. Short timeouts turn a missing ``send``/``recv`` (a deadlock) into a
+failed case within seconds.
 
 Example::
 
@@ -19,6 +22,8 @@ Example::
 The quiz key computed from the learner's own pipeline run (:func:`idle_of_rank1`) is here too.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -38,39 +43,38 @@ CASES = (  # (name, width, batch, steps)
 TIMEOUT_S = 3.0
 
 
-def _data(width: int, batch: int, steps: int, seed: int = 5):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
-            for _ in range(steps)]
-
-
-def _stages(width: int):
-    whole = mlp(width, 4, seed=3)
-    return whole, whole[:2], whole[2:]
-
-
-def _rank(rank: int, world_size: int, fn, width: int, batch: int, steps: int) -> list[dict]:
+def _rank(rank: int, world_size: int, fn, width: int, batch: int, steps: int) -> dict:
+    """Runs in both ranks: this rank's stage and data come from a secret of its own."""
     dev = device()
-    _, first, second = _stages(width)
-    stage = (first if rank == 0 else second).to(dev)
+    secret = int.from_bytes(os.urandom(7), "little")
+    whole = mlp(width, 4, seed=secret)
+    stage = (whole[:2] if rank == 0 else whole[2:]).to(dev)
+    start = {n: p.detach().cpu().clone() for n, p in stage.named_parameters()}
+    g = torch.Generator().manual_seed(secret)
+    nan = torch.full((batch, width), float("nan"))
     out = []
-    for x, target in _data(width, batch, steps):
+    for _ in range(steps):
+        mine = torch.randn(batch, width, generator=g)       # rank 0: x; rank 1: the target
+        x, target = (mine, nan) if rank == 0 else (nan, mine)
         stage.zero_grad()
-        if rank == 1:
-            x = torch.full_like(x, float("nan"))     # rank 1 must use the received activation
         loss = fn(rank, stage, x.to(dev), target.to(dev))
-        out.append({"loss": None if loss is None else float(torch.as_tensor(loss).detach()),
-                    "grads": {n: None if p.grad is None else p.grad.detach().clone()
+        out.append({"data": mine,
+                    "loss": None if loss is None else float(torch.as_tensor(loss).detach()),
+                    "grads": {n: None if p.grad is None else p.grad.detach().cpu().clone()
                               for n, p in stage.named_parameters()}})
-    return out
+    return {"start": start, "steps": out}
 
 
-def _oracle(width: int, batch: int, steps: int) -> list[dict]:
-    whole, _, _ = _stages(width)
+def _oracle(width: int, values: list[dict]) -> list[dict]:
+    """The whole model in one process, from both ranks' stages and data."""
+    whole = mlp(width, 4)
+    with torch.no_grad():
+        for name, p in whole.named_parameters():   # slices keep their names ("2.0.weight")
+            p.copy_({**values[0]["start"], **values[1]["start"]}[name])
     out = []
-    for x, target in _data(width, batch, steps):
+    for s0, s1 in zip(values[0]["steps"], values[1]["steps"]):
         whole.zero_grad()
-        loss = F.mse_loss(whole(x), target)
+        loss = F.mse_loss(whole(s0["data"]), s1["data"])
         loss.backward()
         out.append({"loss": loss.item(), "grads": {n: p.grad.clone()
                                                    for n, p in whole.named_parameters()}})
@@ -80,10 +84,10 @@ def _oracle(width: int, batch: int, steps: int) -> list[dict]:
 def _test(fn, width: int, batch: int, steps: int):
     def test():
         res = run(_rank, 2, args=(fn, width, batch, steps), timeout=TIMEOUT_S,
-                     deadline=TIMEOUT_S + 4, echo=False)
-        for step, want in enumerate(_oracle(width, batch, steps)):
+                  deadline=TIMEOUT_S + 4, echo=False)
+        for step, want in enumerate(_oracle(width, res.values)):
             for rank in (1, 0):                 # rank 1's loss first: it explains the rest
-                got = res.values[rank][step]
+                got = res.values[rank]["steps"][step]
                 if rank == 1:
                     assert got["loss"] is not None, \
                         f"step {step}: rank 1 returned None; it must return the loss"

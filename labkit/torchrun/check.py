@@ -7,9 +7,16 @@ script. :func:`check_torchrun_exercise` (the bank's checker) launches the learne
 one process training on the global batch, visiting the samples in
 ``DistributedSampler(shuffle=True, seed=0)`` order. A wrong answer is diagnosed against the
 usual mistakes (no ``set_epoch``, the global batch on every rank, a scaled learning rate, no
-DDP wrap). :func:`reference` is the uninterrupted run a restarted one is compared with.
+DDP wrap). Equal numbers are not enough, since one process training alone in each worker
+ends with them too: each worker also reports (:func:`_watched`) the DistributedSampler it
+built and the collectives gloo ran for it (its flight recorder: see
+:mod:`labkit.collectives.watch`), so a worker must shard the data and all-reduce every
+gradient every step; the other cases count only for such a run. :func:`reference` is the uninterrupted run a restarted one is compared
+with.
 """
 from __future__ import annotations
+
+import math
 
 from ..grading.exercise import case
 from ..runtime import run
@@ -76,21 +83,80 @@ _MISTAKES = [  # (what the learner probably did: oracle kwargs, why)
 ]
 
 
+def _watched(fn, kwargs: dict) -> dict:
+    """Runs in each torchrun worker: the learner's function, and what it did to shard and sync.
+
+    Returns ``{"value": its state_dict, "samplers": [{"replicas", "rank", "epochs"}],
+    "collectives": [(name, elements), ...]}``.
+    """
+    from torch.utils.data import DistributedSampler
+
+    from ..collectives.watch import last_record_id, recorded
+    from ..runtime.torchrun_function import _plain
+
+    samplers: list[dict] = []
+    init, iterate = DistributedSampler.__init__, DistributedSampler.__iter__
+
+    def watched_init(self, *args, **kw):
+        init(self, *args, **kw)
+        self._labkit_seen = {"replicas": self.num_replicas, "rank": self.rank, "epochs": []}
+        samplers.append(self._labkit_seen)
+
+    def watched_iter(self):
+        getattr(self, "_labkit_seen", {"epochs": []})["epochs"].append(self.epoch)
+        return iterate(self)
+
+    DistributedSampler.__init__, DistributedSampler.__iter__ = watched_init, watched_iter
+    mark = last_record_id()
+    try:
+        value = _plain(fn(**kwargs))
+    finally:
+        DistributedSampler.__init__, DistributedSampler.__iter__ = init, iterate
+    return {"value": value, "samplers": samplers, "collectives": recorded(mark)}
+
+
+def _sync_problem(report: dict, world: int, kw: dict) -> str | None:
+    """Why this worker did not train data-parallel: no shard of its own, or gradients unsynced."""
+    rank, seen = report["rank"], report.get("value") or {}
+    mine = [s for s in seen.get("samplers", []) if (s["replicas"], s["rank"]) == (world, rank)]
+    if not mine:
+        built = [(s["replicas"], s["rank"]) for s in seen.get("samplers", [])]
+        return (f"rank {rank} built no DistributedSampler(num_replicas={world}, rank={rank})"
+                f"{f' (only {built})' if built else ''}: each rank must train on its own shard "
+                f"of the data, not the whole dataset")
+    per_rank = math.ceil(len(make_dataset()) / world)
+    steps = kw["epochs"] * math.ceil(per_rank / (kw["batch_size"] // world))
+    params = sum(p.numel() for p in make_model(dropout=0.0).parameters())
+    reduced = sum(n for name, n in seen.get("collectives", []) if name == "gloo:all_reduce")
+    if reduced < steps * params:
+        return (f"rank {rank} all-reduced {reduced} elements in all; averaging all {params} "
+                f"gradients in each of the {steps} steps takes at least {steps * params}. Wrap "
+                f"the model: DistributedDataParallel(model) all-reduces them during backward")
+    return None
+
+
 def check_torchrun_exercise(fn) -> list:
     """Checker for ``05.train_ddp``: launch ``fn`` with torchrun on 2 ranks and grade every rank."""
     code = getattr(fn, "__code__", None)
     if code is not None and set(code.co_names) == {"NotImplementedError"}:
         raise NotImplementedError(f"{fn.__name__} is still the stub")
     kw, world = EXERCISE_KWARGS, 2
+
+    def train_ddp_watched(**kwargs):          # what each torchrun worker runs
+        return _watched(fn, kwargs)
+    # run_function ships a function's own module by value when workers cannot import it (a
+    # test file): let it decide for the learner's function, not for this wrapper
+    train_ddp_watched.__module__ = getattr(fn, "__module__", __name__)
+
     try:
-        res = run_function(fn, kwargs=kw, nproc_per_node=world, timeout=60, echo=False,
-                           env={"CUDA_VISIBLE_DEVICES": ""}, check=False)
+        res = run_function(train_ddp_watched, kwargs=kw, nproc_per_node=world, timeout=60,
+                           echo=False, env={"CUDA_VISIBLE_DEVICES": ""}, check=False)
     except TorchrunTimeout:
         res = None
     if res is not None and any(r.get("not_done") for r in res.reports):
         raise NotImplementedError(f"{fn.__name__} still raises NotImplementedError")
     reports = res.reports if res else []
-    values = [r.get("value") for r in reports]
+    values = [(r.get("value") or {}).get("value") for r in reports]
     kwtext = ", ".join(f"{k}={v}" for k, v in kw.items())
 
     def runs():
@@ -100,22 +166,31 @@ def check_torchrun_exercise(fn) -> list:
         for r in reports:
             assert r.get("error") is None, (f"rank {r['rank']} failed: "
                                             f"{r['error'].strip().splitlines()[-1]}")
-        for r in reports:
-            v = r.get("value")
+        for r, v in zip(reports, values):
             assert isinstance(v, dict) and v, (f"rank {r['rank']} returned {type(v).__name__}, "
                                                f"not the model's state_dict(): return "
                                                f"model.module.state_dict() on every rank")
         return f"torchrun --nproc-per-node={world}, train_ddp({kwtext}), both ranks exit 0"
 
-    def same():
+    def sync_problem() -> str | None:
+        return next((p for p in (_sync_problem(r, world, kw) for r in reports) if p), None)
+
+    def data_parallel():
+        """The other cases grade a data-parallel script: one process alone passes them idly."""
         runs()
+        if sync_problem():
+            raise AssertionError("not counted: the workers did not train data-parallel (see "
+                                 "'shards the data and all-reduces the gradients')")
+
+    def same():
+        data_parallel()
         d, name = _max_diff(values[0], values[1])
         assert d == 0.0, (f"rank 0 and rank 1 ended with different parameters (max |diff| "
                           f"{d:.2e} in {name}): their gradients were never averaged. Wrap the "
                           f"model: model = DistributedDataParallel(model)")
 
     def matches():
-        runs()
+        data_parallel()
         want = oracle(**kw)
         d, name = _max_diff(values[0], want)
         if d <= 1e-5:
@@ -129,14 +204,21 @@ def check_torchrun_exercise(fn) -> list:
             f"DistributedSampler(data, shuffle=True, seed=0) with set_epoch(epoch); per-rank "
             f"batch batch_size // world_size; SGD(lr, momentum=0.9); mean cross-entropy loss")
 
-    def destroyed():
+    def synced():
         runs()
+        problem = sync_problem()
+        assert problem is None, problem
+        return "every rank trained on its own DistributedSampler shard and all-reduced its " \
+               "gradients every step (gloo's flight recorder)"
+
+    def destroyed():
+        data_parallel()
         left = [r["rank"] for r in reports if r.get("pg_left")]
         assert not left, (f"rank(s) {left} returned with the process group still initialised: "
                           f"call dist.destroy_process_group() in a finally: block")
 
     def quiet():
-        runs()
+        data_parallel()
         noisy = [r for r in reports if r["rank"] != 0 and r.get("stdout", "").strip()]
         assert not noisy, (f"rank {noisy[0]['rank']} printed "
                            f"{noisy[0]['stdout'].strip().splitlines()[0]!r}: log only on rank 0 "
@@ -145,6 +227,7 @@ def check_torchrun_exercise(fn) -> list:
     return [case("runs under torchrun on 2 ranks", runs),
             case("every rank ends with the same parameters", same),
             case("equals one process on the global batch", matches),
+            case("shards the data and all-reduces the gradients", synced),
             case("destroys the process group", destroyed),
             case("only rank 0 prints", quiet)]
 

@@ -315,7 +315,7 @@ def test_exercise_passes_a_correct_answer():
 
     score = evaluate("05.train_ddp", solution)
     assert score.status == "correct", [c for c in score.cases if not c.passed]
-    assert len(score.cases) == 5
+    assert len(score.cases) == 6
 
 
 def test_exercise_names_each_mistake():
@@ -327,8 +327,10 @@ def test_exercise_names_each_mistake():
     assert "set_epoch" in cases["equals one process on the global batch"].detail
     assert "destroy_process_group" in cases["destroys the process group"].detail
     assert "rank 1 printed 'rank 1 epoch 0" in cases["only rank 0 prints"].detail
+    assert cases["shards the data and all-reduces the gradients"].passed   # DDP + a sampler
     assert not any(c.passed for name, c in cases.items() if name not in (
-        "runs under torchrun on 2 ranks", "every rank ends with the same parameters"))
+        "runs under torchrun on 2 ranks", "every rank ends with the same parameters",
+        "shards the data and all-reduces the gradients"))
 
 
 def test_exercise_stub_is_not_done_without_launching(monkeypatch):
@@ -354,8 +356,11 @@ def test_exercise_diagnoses_wrong_parameters(monkeypatch, mistake, words):
     from labkit.torchrun import check as TE
 
     params = TE.oracle(**{**TE.EXERCISE_KWARGS, **mistake})
-    fake = FunctionRun([{"rank": r, "error": None, "value": params, "pg_left": False,
-                            "stdout": ""} for r in (0, 1)], None)
+    n = sum(p.numel() for p in T.make_model(dropout=0.0).parameters())
+    seen = lambda r: {"value": params, "collectives": [("gloo:all_reduce", n)] * 64,   # noqa: E731
+                      "samplers": [{"replicas": 2, "rank": r, "epochs": [0, 1]}]}
+    fake = FunctionRun([{"rank": r, "error": None, "value": seen(r), "pg_left": False,
+                         "stdout": ""} for r in (0, 1)], None)
     monkeypatch.setattr(TE, "run_function", lambda *a, **k: fake)
     cases = {c.name: c for c in TE.check_torchrun_exercise(solution)}
     assert not cases["equals one process on the global batch"].passed
