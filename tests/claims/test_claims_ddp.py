@@ -143,13 +143,21 @@ def _batchnorm_under_ddp(rank, world_size):
 
 def test_ddp_broadcasts_rank0_batchnorm_buffers_at_every_forward():
     """02 "Common pitfalls": “With the default `broadcast_buffers=True`, DDP copies rank 0's
-    buffers to every rank at the start of each forward: each rank normalises with its own batch's
-    statistics, and the running statistics that survive are rank 0's, computed from rank 0's data
-    alone”. And 04 "BatchNorm statistics under DDP" says the same: “With the default
+    buffers to every rank at the start of each forward (torch 2.13 skips the copy when the forward
+    before it ran under `no_sync()` or `torch.no_grad()`): each rank normalises with its own
+    batch's statistics, and the running statistics that survive are rank 0's, computed from rank
+    0's data alone”. And 04 "BatchNorm statistics under DDP" says the same: “With the default
     `broadcast_buffers=True`, DDP copies rank 0's buffers to every rank at the start of each
-    forward: each rank normalises with its own batch's statistics, and the running statistics
-    that survive are rank 0's, computed from rank 0's data alone”."""
+    forward (torch 2.13 skips the copy when the forward before it ran under `no_sync()` or
+    `torch.no_grad()`): each rank normalises with its own batch's statistics, and the running
+    statistics that survive are rank 0's, computed from rank 0's data alone”."""
     import torch
+
+    sys.path.insert(0, str(_claims.ROOT / "tests" / "ddp"))
+    from test_torch_ddp_semantics import SYNCED, buffer_job, synced   # which forwards copy
+
+    r0, r1 = lk.run(buffer_job, 2, timeout=30, echo=False).values     # train, no_sync, eval ...
+    assert tuple(synced(r0, r1)) == SYNCED == (True, True, False, False, True)
 
     (steps0, end0), (steps1, end1) = lk.run(_batchnorm_under_ddp, 2, timeout=30, echo=False).values
     m = 0.1                                             # BatchNorm's default momentum
