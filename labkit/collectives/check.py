@@ -24,7 +24,7 @@ from .cases import CASES, TRAFFIC, case_tensor, compare_job
 from .trace import Trace
 
 __all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job", "check_ring_exercise",
-           "rank2_step3_bytes", "master_bytes_received"]
+           "master_bytes_received"]
 
 _HEADER_BYTES = 160        # gloo's framing per send/recv pair is 144 bytes (torch 2.13)
 
@@ -194,12 +194,6 @@ def _traffic(n: int, rows: list[list[dict]], res) -> tuple:
 
 
 # ------------------------------------------------------------- quiz keys (notebook 03)
-def rank2_step3_bytes(ring_trace: Trace) -> int:
-    """Quiz key: bytes rank 2 sent in step 3 of the learner's traced ring run."""
-    _need(ring_trace, "ring_trace", ranks=3, steps=3)
-    return ring_trace.sent(2, step=3)
-
-
 def master_bytes_received(naive_trace: Trace) -> int:
     """Quiz key: bytes rank 0 received in the learner's traced naive run."""
     _need(naive_trace, "naive_trace", ranks=2, steps=1)

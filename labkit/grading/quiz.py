@@ -29,14 +29,14 @@ Bank format (TOML, one ``[[question]]`` table per question)::
     answer = "busbw"                  # the text of the right choice (multi: a list of texts)
 
     [[question]]                      # computed from the learner's own run
-    id = "03.rank2_bytes"
+    id = "03.master_received"
     kind = "numeric"
-    prompt = "How many bytes did rank 2 send in your ring run?"
-    variable = "q_rank2_bytes"
-    key = "labkit.collectives.check:rank2_step3_bytes"   # called as key(trace=<the notebook's trace>)
-    inputs = ["trace"]                # notebook variables passed to the key, by name
+    prompt = "How many bytes did rank 0 receive in your naive run?"
+    variable = "q_master_received"
+    key = "labkit.collectives.check:master_bytes_received"  # called as key(naive_trace=...)
+    inputs = ["naive_trace"]          # notebook variables passed to the key, by name
 
-    [[question]]                      # code: see labkit.exercise
+    [[question]]                      # code: see labkit.grading.exercise
     id = "03.ring_all_reduce"
     kind = "exercise"
     prompt = "Write ring_all_reduce(tensor)."
