@@ -1,0 +1,547 @@
+"""See every collective: what each rank sent, to whom, when, and how long it waited (notebook 07).
+
+``lk.run(fn, n, trace=True)`` records, on every rank and without a change to ``fn``, every
+collective and point-to-point operation that reaches PyTorch's dispatcher: ``dist.*`` calls,
+methods of a ``ProcessGroup`` object (``group.allreduce([t])``), functional collectives, and the
+ones PyTorch's own C++ issues (DDP's bucket all-reduces, a comm hook's, FSDP2's). The job's
+:class:`~labkit.runtime.result.JobResult` then has ``res.trace``, a :class:`CommTrace`.
+
+How it sees them. :class:`CommRecorder` pushes a ``TorchDispatchMode`` that notes each
+``c10d::*`` / ``_c10d_functional::*`` op as it is issued, and learns when it finished:
+
+* a collective's end comes from its ``Work``'s future (``get_future().then(...)``), which gloo
+  completes from its own thread the moment the collective is done;
+* gloo's send/recv works have no future ("Work::getFuture not implemented") and report
+  ``is_completed()`` False until someone calls ``wait()`` (torch 2.13, measured), so their end
+  is when ``wait()`` returned in this rank: :class:`CommRecorder` wraps ``Work.wait`` while it
+  is active, which also gives every op's *wait span* (the time the rank sat blocked in
+  ``wait()``: a straggler's peers show long ones);
+* a functional collective ends at its ``wait_tensor``.
+
+Times are ``time.perf_counter()`` (Linux: the system-wide monotonic clock), so the ranks share
+one time axis. On NCCL the end of a collective is when the CPU learned that it was enqueued,
+not when the GPU finished it: use ``torch.profiler`` for kernel times.
+
+Cost: a dispatch mode sends *every* torch op of the rank through Python while it is active,
+so ``trace=True`` slows compute (a small MLP step took about twice as long here, measured in
+notebook 07); measure speed with ``trace=False`` (the default installs nothing) and count
+with ``trace=True``.
+
+A record (a plain dict)::
+
+    {"rank": 0, "seq": 3, "kind": "all_reduce", "op": "allreduce_", "bytes": 4096,
+     "dtype": "torch.float32", "group_size": 4, "group_ranks": (0, 1, 2, 3), "peer": None,
+     "label": "", "start": 812.0031, "end": 812.0042, "wait_start": 812.0032,
+     "wait_end": 812.0042, "thread": "MainThread"}
+
+``bytes`` is the payload S: the whole tensor being reduced (all-reduce, reduce, the input of a
+reduce-scatter), gathered (the output of an all-gather or gather), broadcast, scattered,
+exchanged (the input of an all-to-all) or sent/received; 0 for a barrier. ``peer`` is the global
+rank at the other end of a send/recv, or the root of a broadcast/reduce/gather/scatter.
+
+Inside a rank, :func:`label` tags what follows (``with commtrace.label("backward"): ...``); it
+does nothing when no recorder is active, so lesson code can label unconditionally.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+__all__ = ["CommRecorder", "CommTrace", "KINDS", "FIELDS", "current", "label"]
+
+KINDS = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce", "all_reduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
+    "send": "send", "isend": "send", "recv_": "recv", "recv_any_source_": "recv", "irecv": "recv",
+    "barrier": "barrier", "monitored_barrier_": "barrier",
+}
+FIELDS = ("rank", "seq", "kind", "op", "bytes", "dtype", "group_size", "group_ranks", "peer",
+          "label", "start", "end", "wait_start", "wait_end", "thread")
+_NAMESPACES = ("c10d", "_c10d_functional")
+_SKIP = ("check_for_nan", "wait_tensor", "_wrap_tensor_autograd")   # bookkeeping, no data
+_ROOTED = {"broadcast": "root_rank", "reduce": "root_rank", "gather": "root_rank",
+           "scatter": "root_rank"}
+_KEEP_WORKS = 512        # works remembered for wait() spans (a window: tensors are not kept)
+
+_active: list["CommRecorder"] = []
+_active_lock = threading.Lock()
+_original_wait = None
+
+
+# ------------------------------------------------------------------- the rank side
+class CommRecorder:
+    """Record every collective and point-to-point op this rank issues inside ``with``.
+
+    Args:
+        rank: stored in every record (default: this process's global rank).
+        max_records: stop recording after this many (``dropped`` counts the rest).
+
+    Example (inside a rank; ``lk.run(..., trace=True)`` does this around the whole job)::
+
+        with CommRecorder() as rec:
+            loss.backward()
+        rec.records        # [{"kind": "all_reduce", "bytes": ..., "start": ..., ...}]
+    """
+
+    def __init__(self, rank: int | None = None, max_records: int = 200_000) -> None:
+        self.rank, self.max_records = rank, max_records
+        self.records: list[dict] = []
+        self.label, self.dropped = "", 0
+        self._works: OrderedDict[int, tuple[Any, dict]] = OrderedDict()
+        self._tensors: dict[int, dict] = {}       # functional collectives until wait_tensor
+        self._mode = None
+
+    # -- entering and leaving
+    def __enter__(self) -> "CommRecorder":
+        import torch.distributed as dist
+
+        if self.rank is None:
+            self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._mode = _mode_class()(self)
+        with _active_lock:
+            if not _active:
+                _patch_wait()
+            _active.append(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            with _active_lock:
+                if self in _active:
+                    _active.remove(self)
+                if not _active:
+                    _unpatch_wait()
+            self.settle()
+            self._works.clear()
+            self._tensors.clear()
+
+    def settle(self, timeout: float = 0.05) -> None:
+        """Give collectives still in flight a moment to report their end (then ``end`` stays None)."""
+        deadline = time.perf_counter() + timeout
+        while (any(r["end"] is None and r.get("_future") for r in self.records)
+               and time.perf_counter() < deadline):
+            time.sleep(0.001)
+        for r in self.records:
+            r.pop("_future", None)
+
+    @contextmanager
+    def labelled(self, name: str) -> Iterator[None]:
+        """Tag the records of the ``with`` block with ``name`` (restored afterwards)."""
+        old, self.label = self.label, str(name)
+        try:
+            yield
+        finally:
+            self.label = old
+
+    # -- called by the dispatch mode and by Work.wait
+    def _issued(self, func, args, kwargs, out, start: float) -> None:
+        op = func._schema.name.split("::")[-1]
+        if op in _SKIP:
+            if op == "wait_tensor" and args:
+                rec = self._tensors.pop(_key(args[0]), None)
+                if rec is not None and rec["end"] is None:
+                    rec["end"] = time.perf_counter()
+            return
+        if len(self.records) >= self.max_records:
+            self.dropped += 1
+            return
+        bound = _bind(func, args, kwargs)
+        kind = KINDS.get(op, op)
+        size, ranks = _group(bound)
+        rec = {"rank": self.rank, "seq": len(self.records), "kind": kind, "op": op,
+               "bytes": _payload(kind, bound, size), "dtype": _dtype(bound),
+               "group_size": size, "group_ranks": ranks, "peer": _peer(kind, bound, ranks),
+               "label": self.label, "start": start, "end": None, "wait_start": None,
+               "wait_end": None, "thread": threading.current_thread().name}
+        self.records.append(rec)
+        if func.namespace == "_c10d_functional":
+            self._tensors[_key(out[0] if isinstance(out, (list, tuple)) else out)] = rec
+            return
+        self._watch(out[-1] if isinstance(out, (tuple, list)) else out, rec)
+
+    def _watch(self, boxed, rec: dict) -> None:
+        from torch._C._distributed_c10d import Work
+
+        try:
+            work = Work.unbox(boxed)
+        except Exception:  # noqa: BLE001  (no work object: a blocking op, done on return)
+            if rec["kind"] == "barrier" or boxed is None:
+                rec["end"] = time.perf_counter()
+            return
+        self._works[id(work)] = (work, rec)
+        while len(self._works) > _KEEP_WORKS:
+            self._works.popitem(last=False)
+        try:
+            fut = work.get_future()
+        except RuntimeError:           # gloo send/recv: the end is when wait() returns
+            return
+        rec["_future"] = True
+
+        def done(_fut, rec=rec):
+            rec["end"] = time.perf_counter()
+            rec["_future"] = False
+        fut.then(done)
+
+    def _waited(self, work, t0: float, t1: float) -> None:
+        hit = self._works.get(id(work))
+        if hit is None or hit[0] is not work:
+            return
+        rec = hit[1]
+        if rec["wait_start"] is None:
+            rec["wait_start"] = t0
+        rec["wait_end"] = t1
+        if rec["end"] is None or rec["end"] > t1:
+            rec["end"] = t1
+
+
+def current() -> CommRecorder | None:
+    """The innermost active recorder of this process, or None."""
+    return _active[-1] if _active else None
+
+
+@contextmanager
+def label(name: str) -> Iterator[None]:
+    """Tag the ops issued in the block with ``name``, in every active recorder (else no-op)."""
+    recorders = list(_active)
+    old = [r.label for r in recorders]
+    for r in recorders:
+        r.label = str(name)
+    try:
+        yield
+    finally:
+        for r, o in zip(recorders, old):
+            r.label = o
+
+
+_mode_cls = None
+
+
+def _mode_class():
+    """The TorchDispatchMode subclass, made once torch is imported (never in the notebook)."""
+    global _mode_cls
+    if _mode_cls is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _CommMode(TorchDispatchMode):
+            def __init__(self, recorder: CommRecorder) -> None:
+                super().__init__()
+                self.recorder = recorder
+
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                # Otherwise torch wraps __torch_dispatch__ in torch._dynamo.disable, which
+                # imports torch._dynamo (seconds in a fresh rank); this mode is never compiled.
+                return False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace not in _NAMESPACES:
+                    return func(*args, **(kwargs or {}))
+                start = time.perf_counter()
+                out = func(*args, **(kwargs or {}))
+                self.recorder._issued(func, args, kwargs, out, start)
+                return out
+        _mode_cls = _CommMode
+    return _mode_cls
+
+
+def _patch_wait() -> None:
+    global _original_wait
+    from torch._C._distributed_c10d import Work
+
+    _original_wait = Work.wait
+    original = _original_wait
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            t1 = time.perf_counter()
+            for rec in list(_active):
+                rec._waited(self, t0, t1)
+    wait.__doc__ = original.__doc__
+    Work.wait = wait
+
+
+def _unpatch_wait() -> None:
+    global _original_wait
+    if _original_wait is not None:
+        from torch._C._distributed_c10d import Work
+
+        Work.wait = _original_wait
+        _original_wait = None
+
+
+# ---------------------------------------------------------------- reading an op's arguments
+def _bind(func, args, kwargs) -> dict:
+    names = [a.name for a in func._schema.arguments]
+    return dict(zip(names, args), **(kwargs or {}))
+
+
+def _tensors(value) -> list:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _key(t) -> int:
+    """Identify a functional collective's output by its storage (AsyncCollectiveTensor
+    wrappers hold it as ``.elem``)."""
+    while hasattr(t, "elem") and t.elem is not t:
+        t = t.elem
+    try:
+        return t.untyped_storage().data_ptr() ^ (t.storage_offset() << 1)
+    except Exception:  # noqa: BLE001
+        return id(t)
+
+
+def _group(bound: dict) -> tuple[int, tuple[int, ...]]:
+    """(size, global ranks) of the process group an op runs on."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group, get_process_group_ranks
+
+    try:
+        group = None
+        if bound.get("process_group") is not None:
+            group = dist.ProcessGroup.unbox(bound["process_group"])
+        elif bound.get("group_name") is not None:
+            group = _resolve_process_group(bound["group_name"])
+        if group is not None:
+            return group.size(), tuple(get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001  (a group torch does not know by name: say what we can)
+        pass
+    if isinstance(bound.get("group_size"), int):
+        return bound["group_size"], ()
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    return n, tuple(range(n))
+
+
+def _payload(kind: str, bound: dict, n: int) -> int:
+    """S, the bytes the op is about (see the module docstring)."""
+    first = lambda *keys: next((ts for k in keys if (ts := _tensors(bound.get(k)))), [])  # noqa: E731
+    if kind == "barrier":
+        return 0
+    if kind in ("all_gather", "gather"):
+        out = first("output_tensor", "output_tensors", "output_lists", "outputs", "out")
+        if out:
+            return _nbytes(out)
+        return _nbytes(first("input", "input_tensor", "input_tensors", "inputs")) * n
+    if kind in ("reduce_scatter", "scatter"):
+        return _nbytes(first("input_tensor", "input_tensors", "input", "inputs"))
+    if kind == "all_to_all":
+        return _nbytes(first("input", "input_tensors", "inputs"))
+    return _nbytes(first("tensors", "tensor", "input", "inputs"))
+
+
+def _dtype(bound: dict) -> str:
+    for key in ("tensors", "tensor", "input", "inputs", "input_tensor", "input_tensors"):
+        ts = _tensors(bound.get(key))
+        if ts:
+            return str(ts[0].dtype)
+    return ""
+
+
+def _peer(kind: str, bound: dict, ranks: tuple[int, ...]) -> int | None:
+    local = bound.get({"send": "dst", "recv": "src"}.get(kind, _ROOTED.get(kind, "")))
+    if isinstance(local, bool) or not isinstance(local, int):
+        return None
+    return ranks[local] if 0 <= local < len(ranks) else local
+
+
+# --------------------------------------------------------------- the notebook side
+class CommTrace:
+    """Every rank's records of one job: ``trace[r]`` is rank r's list (see the module docstring).
+
+    >>> res = lk.run(step, 4, trace=True)
+    >>> res.trace.totals()                 # {"all_reduce": {"calls": 2, "bytes": ...}, ...}
+    >>> res.trace.matched()                # each collective across ranks: who came last
+    >>> lk.plots.comm_timeline(res.trace)  # per-rank timeline, waits hatched
+    >>> res.trace.to_chrome("job.json")    # open in https://ui.perfetto.dev
+    """
+
+    def __init__(self, per_rank: list[list[dict]], dropped: list[int] | None = None) -> None:
+        self.per_rank = [list(recs) for recs in per_rank]
+        self.dropped = list(dropped or [0] * len(self.per_rank))
+
+    def __getitem__(self, rank: int) -> list[dict]:
+        return self.per_rank[rank]
+
+    def __len__(self) -> int:
+        return len(self.per_rank)
+
+    def __iter__(self):
+        return iter(self.per_rank)
+
+    @property
+    def records(self) -> list[dict]:
+        """Every record of every rank, by start time."""
+        return sorted((r for recs in self.per_rank for r in recs), key=lambda r: r["start"])
+
+    def select(self, rank: int | None = None, kind: str | None = None,
+               label: str | None = None) -> list[dict]:
+        """The records of one rank / kind / label (None: any)."""
+        return [r for r in self.records if (rank is None or r["rank"] == rank)
+                and (kind is None or r["kind"] == kind) and (label is None or r["label"] == label)]
+
+    def kinds(self) -> list[str]:
+        """Kinds of op seen, in order of first use."""
+        return list(dict.fromkeys(r["kind"] for r in self.records))
+
+    def bytes(self, rank: int | None = None, kind: str | None = None,
+              label: str | None = None) -> int:
+        """Total payload bytes of the matching records."""
+        return sum(r["bytes"] for r in self.select(rank, kind, label))
+
+    def totals(self, by: str = "kind", rank: int | None = None) -> dict[Any, dict]:
+        """``{key: {"calls", "bytes", "seconds"}}`` grouped ``by`` any record field."""
+        out: dict[Any, dict] = defaultdict(lambda: {"calls": 0, "bytes": 0, "seconds": 0.0})
+        for r in self.select(rank):
+            row = out[r[by]]
+            row["calls"] += 1
+            row["bytes"] += r["bytes"]
+            row["seconds"] += (r["end"] - r["start"]) if r["end"] is not None else 0.0
+        return dict(out)
+
+    def waits(self, rank: int) -> float:
+        """Seconds rank ``rank`` spent blocked inside ``wait()``."""
+        return sum(r["wait_end"] - r["wait_start"] for r in self.per_rank[rank]
+                   if r["wait_start"] is not None)
+
+    def t0(self) -> float:
+        starts = [r["start"] for r in self.records]
+        return min(starts) if starts else 0.0
+
+    def matched(self) -> list[dict]:
+        """Each collective across the ranks that ran it (matched by group and order, as gloo and
+        NCCL match them): ``{kind, bytes, group_ranks, arrivals: {rank: start}, last (rank),
+        skew (s)}``. The ``last`` rank is the straggler everyone else waited for."""
+        calls: dict[tuple, dict] = {}
+        for recs in self.per_rank:
+            count: dict[tuple, int] = defaultdict(int)
+            for r in recs:
+                if r["kind"] in ("send", "recv") or not r["group_ranks"]:
+                    continue
+                g = tuple(r["group_ranks"])
+                key = (g, count[g])
+                count[g] += 1
+                c = calls.setdefault(key, {"kind": r["kind"], "bytes": r["bytes"],
+                                           "group_ranks": g, "arrivals": {}})
+                c["arrivals"][r["rank"]] = r["start"]
+        out = []
+        for c in sorted(calls.values(), key=lambda c: min(c["arrivals"].values())):
+            first = min(c["arrivals"].values())
+            c["last"] = max(c["arrivals"], key=c["arrivals"].get)
+            c["skew"] = c["arrivals"][c["last"]] - first
+            out.append(c)
+        return out
+
+    def table(self, limit: int = 20) -> str:
+        """The first ``limit`` records as text, times in ms from the job's first op."""
+        t0 = self.t0()
+        lines = [f"{'rank':>4} {'kind':<15} {'bytes':>10} {'group':<12} {'peer':>4} "
+                 f"{'start ms':>9} {'dur ms':>8} {'wait ms':>8}  label"]
+        for r in self.records[:limit]:
+            dur = f"{(r['end'] - r['start']) * 1e3:8.3f}" if r["end"] is not None else "       ?"
+            wait = (f"{(r['wait_end'] - r['wait_start']) * 1e3:8.3f}"
+                    if r["wait_start"] is not None else "       -")
+            peer = "" if r["peer"] is None else str(r["peer"])
+            group = ",".join(map(str, r["group_ranks"]))
+            lines.append(f"{r['rank']:>4} {r['kind']:<15} {r['bytes']:>10} {group:<12} "
+                         f"{peer:>4} {(r['start'] - t0) * 1e3:9.3f} {dur} {wait}  {r['label']}")
+        n = sum(len(recs) for recs in self.per_rank)
+        if n > limit:
+            lines.append(f"... {n - limit} more records")
+        return "\n".join(lines)
+
+    def spans(self) -> list[list[dict]]:
+        """Per-rank spans in :mod:`labkit.common.timeline`'s format, from time 0: lane ``comm``
+        (issue to completion, one span per op) and lane ``wait`` (blocked in ``wait()``)."""
+        t0 = self.t0()
+        out = []
+        for rank, recs in enumerate(self.per_rank):
+            spans = []
+            for r in recs:
+                end = r["end"] if r["end"] is not None else r["start"]
+                spans.append({"rank": rank, "lane": "comm", "kind": r["kind"],
+                              "label": r["label"], "start": r["start"] - t0, "end": end - t0})
+                if r["wait_start"] is not None:
+                    spans.append({"rank": rank, "lane": "wait", "kind": "idle",
+                                  "label": f"wait {r['kind']}", "start": r["wait_start"] - t0,
+                                  "end": r["wait_end"] - t0})
+            out.append(spans)
+        return out
+
+    def to_chrome(self, path: str | None = None) -> dict:
+        """The trace in Chrome's Trace Event Format (Perfetto, ``chrome://tracing``).
+
+        One process per rank; thread 0 holds the waits, threads 1.. the ops (overlapping async
+        ops go on separate threads). Times in microseconds from the job's first op. Writes the
+        JSON to ``path`` when given; returns the dict either way.
+        """
+        t0, events = self.t0(), []
+        for rank, recs in enumerate(self.per_rank):
+            events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                           "args": {"name": f"rank {rank}"}})
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0,
+                           "args": {"name": "blocked in wait()"}})
+            lanes: list[float] = []
+            for r in sorted(recs, key=lambda r: r["start"]):
+                end = r["end"] if r["end"] is not None else r["start"]
+                lane = next((i for i, free in enumerate(lanes) if free <= r["start"]), None)
+                if lane is None:
+                    lanes.append(0.0)
+                    lane = len(lanes) - 1
+                    events.append({"name": "thread_name", "ph": "M", "pid": rank,
+                                   "tid": lane + 1, "args": {"name": f"ops {lane}"}})
+                lanes[lane] = end
+                args = {k: r[k] for k in ("op", "bytes", "dtype", "group_ranks", "peer",
+                                          "label", "seq")}
+                args["group_ranks"] = list(args["group_ranks"])
+                args["completed"] = r["end"] is not None
+                events.append({"name": r["kind"], "cat": "comm", "ph": "X", "pid": rank,
+                               "tid": lane + 1, "ts": (r["start"] - t0) * 1e6,
+                               "dur": (end - r["start"]) * 1e6, "args": args})
+                if r["wait_start"] is not None:
+                    events.append({"name": f"wait {r['kind']}", "cat": "wait", "ph": "X",
+                                   "pid": rank, "tid": 0, "ts": (r["wait_start"] - t0) * 1e6,
+                                   "dur": (r["wait_end"] - r["wait_start"]) * 1e6,
+                                   "args": {"seq": r["seq"]}})
+        doc = {"traceEvents": events, "displayTimeUnit": "ms",
+               "otherData": {"source": "labkit lk.run(..., trace=True)",
+                             "ranks": len(self.per_rank)}}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(doc, f)
+        return doc
+
+    def __repr__(self) -> str:
+        n = [len(recs) for recs in self.per_rank]
+        kinds = ", ".join(f"{k} x{v['calls']}" for k, v in self.totals().items())
+        return f"CommTrace({len(self.per_rank)} ranks, records per rank {n}: {kinds or 'none'})"
