@@ -39,6 +39,7 @@ HANDLES = {
     "pitfalls": "pitfalls", "diagnosis": "diagnosis",                      # notebook 04
     "nccl_capture": "pitfalls.nccl_capture",
     "torchrun": "torchrun", "train": "torchrun.train",                     # notebook 05
+    "scaling": "scaling",                                                  # notebook 07
 }
 
 __all__ = ["run", "warmup", "shutdown", "diagnose", "JobResult", "RankResult", "MAX_WORLD_SIZE",

@@ -23,6 +23,7 @@ COMMANDS = {
 BENCHMARKS = {
     "launch": ("labkit.runtime.bench", "rank start-up latency and warm-pool memory"),
     "allreduce": ("labkit.collectives.bandwidth", "all-reduce time, algbw and busbw by size"),
+    "scaling": ("labkit.scaling.bench", "scaling table, every collective's cost, comm hooks"),
 }
 
 

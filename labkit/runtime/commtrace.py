@@ -18,6 +18,12 @@ How it sees them. :class:`CommRecorder` pushes a ``TorchDispatchMode`` that note
   ``wait()``: a straggler's peers show long ones);
 * a functional collective ends at its ``wait_tensor``.
 
+Ops issued from a future's callback (PowerSGD all-reduces its P and Q matrices from
+``fut.then(...)`` callbacks) run on whichever thread completes the future, often gloo's own,
+where the dispatch mode is not active (a dispatch mode is per thread): while recording,
+``Future.then`` is wrapped so that each callback runs with the recorder active in its thread.
+Without that, PowerSGD's P and Q all-reduces went unseen in about half of the steps (measured).
+
 Times are ``time.perf_counter()`` (Linux: the system-wide monotonic clock), so the ranks share
 one time axis. On NCCL the end of a collective is when the CPU learned that it was enqueued,
 not when the GPU finished it: use ``torch.profiler`` for kernel times.
@@ -82,6 +88,7 @@ _KEEP_WORKS = 512        # works remembered for wait() spans (a window: tensors 
 _active: list["CommRecorder"] = []
 _active_lock = threading.Lock()
 _original_wait = None
+_original_then = None
 
 
 # ------------------------------------------------------------------- the rank side
@@ -116,7 +123,7 @@ class CommRecorder:
         self._mode = _mode_class()(self)
         with _active_lock:
             if not _active:
-                _patch_wait()
+                _patch()
             _active.append(self)
         self._mode.__enter__()
         return self
@@ -129,7 +136,7 @@ class CommRecorder:
                 if self in _active:
                     _active.remove(self)
                 if not _active:
-                    _unpatch_wait()
+                    _unpatch()
             self.settle()
             self._works.clear()
             self._tensors.clear()
@@ -199,7 +206,7 @@ class CommRecorder:
         def done(_fut, rec=rec):
             rec["end"] = time.perf_counter()
             rec["_future"] = False
-        fut.then(done)
+        (_original_then or type(fut).then)(fut, done)
 
     def _waited(self, work, t0: float, t1: float) -> None:
         hit = self._works.get(id(work))
@@ -263,32 +270,62 @@ def _mode_class():
     return _mode_cls
 
 
-def _patch_wait() -> None:
-    global _original_wait
+def _patch() -> None:
+    """Wrap ``Work.wait`` (wait spans, p2p ends) and ``Future.then`` (callbacks recorded)."""
+    global _original_wait, _original_then
+    import torch
     from torch._C._distributed_c10d import Work
 
-    _original_wait = Work.wait
-    original = _original_wait
+    _original_wait, _original_then = Work.wait, torch._C.Future.then
+    wait_, then_ = _original_wait, _original_then
 
     def wait(self, *args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return original(self, *args, **kwargs)
+            return wait_(self, *args, **kwargs)
         finally:
             t1 = time.perf_counter()
             for rec in list(_active):
                 rec._waited(self, t0, t1)
-    wait.__doc__ = original.__doc__
-    Work.wait = wait
+
+    def then(self, callback):
+        recorders = list(_active)
+        if not recorders:
+            return then_(self, callback)
+
+        def traced(fut):
+            with _recording_here(recorders):
+                return callback(fut)
+        return then_(self, traced)
+    wait.__doc__, then.__doc__ = wait_.__doc__, then_.__doc__
+    Work.wait, torch._C.Future.then = wait, then
 
 
-def _unpatch_wait() -> None:
-    global _original_wait
+def _unpatch() -> None:
+    global _original_wait, _original_then
     if _original_wait is not None:
+        import torch
         from torch._C._distributed_c10d import Work
 
-        Work.wait = _original_wait
-        _original_wait = None
+        Work.wait, torch._C.Future.then = _original_wait, _original_then
+        _original_wait = _original_then = None
+
+
+@contextmanager
+def _recording_here(recorders: list[CommRecorder]) -> Iterator[None]:
+    """Make ``recorders`` active in this thread too (a callback on gloo's thread)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    here = {id(m.recorder) for m in _get_current_dispatch_mode_stack()
+            if isinstance(m, _mode_class())}
+    modes = [_mode_class()(r) for r in recorders if id(r) not in here and r in _active]
+    for m in modes:
+        m.__enter__()
+    try:
+        yield
+    finally:
+        for m in reversed(modes):
+            m.__exit__(None, None, None)
 
 
 # ---------------------------------------------------------------- reading an op's arguments
