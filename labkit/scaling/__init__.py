@@ -21,25 +21,27 @@
 ``lk.run(fn, n, trace=True)`` (:mod:`labkit.runtime.commtrace`), drawn by
 ``lk.plots.comm_timeline``.
 """
+from . import task
 from .batch_lr import DEFAULT_CONFIGS, lr_runs, lr_table, plot_lr_runs, warmup_lr
-from .check import check_compress_hook
+from .check import check_compress_hook, notebook_score
 from .costs import (BUSBW_FACTOR, COLLECTIVES, busbw_factor, cost_rows, cost_table, fit_link,
                     measure_costs, model_time)
-from .hooks import HOOKS, compare_hooks, hook_table, make_hook, powersgd_bytes
+from .hooks import HOOKS, compare_hooks, hook_table, make_hook, plot_hooks, powersgd_bytes
 from .knobs import SETTINGS, knob_table, measure_knobs
 from .overlap import measure_overlap_condition, overlap_table
 from .pipeline import SCHEDULES, bubble_formula, measure_pipeline, memory_formula, pipeline_table
 from .precision import compare_precision, precision_table
 from .predict import GPU, cluster_prediction, cluster_table
-from .throughput import ceiling, machine, measure_scaling, scaling_table
+from .throughput import ceiling, machine, measure_scaling, plot_scaling, scaling_table
 from .timing import alternating, ratio_summary, slowest, summary
 
-__all__ = ["machine", "ceiling", "measure_scaling", "scaling_table", "alternating", "slowest",
+__all__ = ["task", "machine", "ceiling", "measure_scaling", "scaling_table", "plot_scaling",
+           "alternating", "slowest",
            "summary", "ratio_summary", "cluster_prediction", "cluster_table", "GPU",
            "measure_overlap_condition", "overlap_table", "HOOKS", "make_hook", "compare_hooks",
-           "hook_table", "powersgd_bytes", "compare_precision", "precision_table", "SETTINGS",
+           "hook_table", "plot_hooks", "powersgd_bytes", "compare_precision", "precision_table", "SETTINGS",
            "measure_knobs", "knob_table", "COLLECTIVES", "BUSBW_FACTOR", "busbw_factor",
            "model_time", "measure_costs", "fit_link", "cost_rows", "cost_table", "SCHEDULES",
            "bubble_formula", "memory_formula", "measure_pipeline", "pipeline_table",
            "DEFAULT_CONFIGS", "warmup_lr", "lr_runs", "lr_table", "plot_lr_runs",
-           "check_compress_hook"]
+           "check_compress_hook", "notebook_score"]

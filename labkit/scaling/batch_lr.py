@@ -23,6 +23,7 @@ import math
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
+from .timing import JOB_DEADLINE
 
 __all__ = ["DEFAULT_CONFIGS", "warmup_lr", "lr_runs", "lr_table", "plot_lr_runs", "diverged"]
 
@@ -81,7 +82,7 @@ def lr_runs(configs: dict | None = None, samples: int = 2560, width: int = 128, 
     configs = dict(configs or DEFAULT_CONFIGS)
     n = max(c[0] for c in configs.values())
     bar = progress_bar(total=1, show=progress, desc=f"{len(configs)} training runs", unit="job")
-    res = run(_lr_rank, n, args=(configs, samples, width, depth, momentum), timeout=120,
+    res = run(_lr_rank, n, args=(configs, samples, width, depth, momentum), deadline=JOB_DEADLINE,
               echo=False)
     bar.update(1)
     bar.close()

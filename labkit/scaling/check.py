@@ -34,9 +34,9 @@ from typing import Callable
 from ..grading.exercise import Case, NotDone
 from ..runtime import run
 
-__all__ = ["check_compress_hook", "hook_job", "weak_speedup_2", "strong_efficiency_4",
+__all__ = ["check_compress_hook", "hook_job", "probe_job", "weak_speedup_2", "strong_efficiency_4",
            "core_ceiling", "fp16_bytes_per_step", "view_bytes_saved", "unused_allreduces",
-           "FP16_EPS"]
+           "FP16_EPS", "notebook_score"]
 
 FP16_EPS = 2.0 ** -11            # float16's unit roundoff (10 stored mantissa bits)
 _LIBRARY = "ddp_comm_hooks"      # torch/distributed/algorithms/ddp_comm_hooks/*.py
@@ -119,8 +119,46 @@ def hook_job(rank: int, world_size: int, fn: Callable, steps: int = _STEPS) -> d
             "mine_loss": eval_loss(mine_m), "ref_loss": eval_loss(base_m)}
 
 
+class _Bucket:
+    """Stands in for DDP's GradBucket in :func:`probe_job` (what a hook may call on it)."""
+
+    def __init__(self, buffer) -> None:
+        self._buffer = buffer
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def gradients(self):
+        return [self._buffer]
+
+    def parameters(self):
+        return []
+
+
+def probe_job(rank: int, world_size: int, fn: Callable) -> str:
+    """Call the hook once on a plain tensor, without DDP: a stub or a hook that returns no
+    Future is named in a second, before DDP's start-up cost is paid."""
+    import torch
+
+    try:
+        fut = fn(None, _Bucket(torch.ones(8) * (rank + 1)))
+    except NotImplementedError:
+        return "not done"
+    if not hasattr(fut, "wait") or not hasattr(fut, "then"):
+        return (f"the hook returned {type(fut).__name__}, not a torch.futures.Future (return "
+                f"fut.then(decompress))")
+    fut.wait()
+    return "ok"
+
+
 # ------------------------------------------------------------------ the checker
-def check_compress_hook(fn: Callable, world_sizes: tuple = (2, 3), timeout: float = 20.0) -> list:
+def check_compress_hook(fn: Callable, world_sizes: tuple = (2, 3), timeout: float = 30.0) -> list:
     """Check the learner's fp16 compression hook on real ranks: ``list[Case]``.
 
     Example::
@@ -129,6 +167,13 @@ def check_compress_hook(fn: Callable, world_sizes: tuple = (2, 3), timeout: floa
     """
     cases: list[Case] = []
     library = ""
+    probe = run(probe_job, world_sizes[0], args=(fn,), timeout=timeout, deadline=timeout + 30,
+                check=False, echo=False)
+    if probe.ok and "not done" in probe.values:
+        raise NotDone("the hook raises NotImplementedError")
+    if probe.ok and any(v != "ok" for v in probe.values):
+        why = next(v for v in probe.values if v != "ok")
+        return [Case("returns a Future of the averaged bucket", False, why)]
     for n in world_sizes:
         names = [f"{n} ranks: gradients equal the fp32 average within fp16's error",
                  f"{n} ranks: at most half the fp32 bytes sent (counted by the trace)",
@@ -237,3 +282,29 @@ def view_bytes_saved(knobs: dict) -> float:
 def unused_allreduces(knobs: dict) -> float:
     """07.unused_allreduces: all-reduces per step with find_unused_parameters=True (counted)."""
     return float(_row(knobs, setting="find_unused_parameters=True")["allreduces"])
+
+
+# ------------------------------------------------------------------ the Evaluation section
+def notebook_score(ns: dict, exercises: dict | None = None, bank: str = "07_scaling") -> str:
+    """The score the grader would give this notebook's answers now (Evaluation section).
+
+    Quiz answers are scored from ``ns`` (the notebook's ``globals()``) with the bank's own key
+    on the notebook's own measurements; exercises take the :class:`Score` their check cell
+    returned (``exercises={"07.fp16_hook": ex_score}``), so nothing runs twice.
+    """
+    from ..grading.bank import all_banks
+    from ..grading.scoring import score
+
+    questions = all_banks()[bank].questions.values()
+    lines, total, got = [], 0.0, 0.0
+    for q in questions:
+        if q.kind == "exercise":
+            s = (exercises or {}).get(q.id)
+            points, status = (s.points, s.status) if s is not None else (0.0, "not run")
+        else:
+            inputs = {name: ns.get(name) for name in q.inputs}
+            s = score(q, ns.get(q.variable), inputs)
+            points, status = s.points, s.status
+        total, got = total + q.points, got + points
+        lines.append(f"  {q.id:<26} {points:g} / {q.points:g}  {status}")
+    return "\n".join([f"score now: {got:g} / {total:g}"] + lines)

@@ -38,6 +38,7 @@ import statistics
 from ..collectives.bandwidth import fmt_bytes
 from ..common.progress import progress as progress_bar
 from ..runtime import run
+from .timing import JOB_DEADLINE
 
 __all__ = ["COLLECTIVES", "BUSBW_FACTOR", "model_time", "busbw_factor", "measure_costs",
            "fit_link", "cost_rows", "cost_table"]
@@ -106,7 +107,7 @@ def measure_costs(sizes=(2 ** 16, 2 ** 20), world_sizes=(2, 4), collectives=COLL
     rows = []
     bar = progress_bar(total=len(world_sizes), show=progress, desc="collectives", unit="job")
     for n in world_sizes:
-        res = run(_cost_rank, n, args=(tuple(sizes), tuple(collectives), iters), timeout=60,
+        res = run(_cost_rank, n, args=(tuple(sizes), tuple(collectives), iters), deadline=JOB_DEADLINE,
                   echo=False)
         for (c, nbytes), _ in res.values[0].items():
             per_run = [max(v[(c, nbytes)][i] for v in res.values) for i in range(iters)]

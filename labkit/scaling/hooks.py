@@ -28,8 +28,9 @@ import statistics
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
+from .timing import JOB_DEADLINE
 
-__all__ = ["HOOKS", "make_hook", "compare_hooks", "hook_table", "traced_hook_steps",
+__all__ = ["HOOKS", "make_hook", "compare_hooks", "hook_table", "plot_hooks", "traced_hook_steps",
            "powersgd_bytes"]
 
 HOOKS = ("allreduce", "fp16", "powersgd r=1", "powersgd r=2", "powersgd r=4")
@@ -99,7 +100,7 @@ def traced_hook_steps(world_size: int = 2, names=HOOKS, steps: int = 4, batch_si
     """A short traced job: ``{"trace": CommTrace, "bytes": {hook: [bytes rank 0 sent per
     step]}}`` (every collective DDP or the hook issued, counted by ``lk.run(trace=True)``)."""
     res = run(_all_hooks, world_size, args=(tuple(names), steps, batch_size, width, depth, 0.05),
-              trace=True, timeout=120, echo=False)
+              trace=True, deadline=JOB_DEADLINE, echo=False)
     per_step = {name: [res.trace.bytes(rank=0, label=f"{name} step {s}") for s in range(steps)]
                 for name in names}
     return {"trace": res.trace, "bytes": per_step, "grad_bytes": res.values[0][names[0]][
@@ -118,7 +119,7 @@ def compare_hooks(world_size: int = 2, names=HOOKS, steps: int = 40, batch_size:
     names = tuple(names)
     bar = progress_bar(total=2, show=progress, desc="comm hooks", unit="job")
     res = run(_all_hooks, world_size, args=(names, steps, batch_size, width, depth, lr),
-              timeout=120, echo=False)
+              deadline=JOB_DEADLINE, echo=False)
     bar.update(1)
     traced = traced_hook_steps(world_size, names, _START_POWERSGD + 2, batch_size, width, depth)
     bar.update(1)
@@ -162,3 +163,26 @@ def hook_table(hooks: dict) -> str:
         lines.append(f"{r['hook']:<14} {r['bytes_per_step']:>11} {r['vs_fp32']:>7.3f} "
                      f"{r['step_ms']:>8.2f} {r['eval_loss']:>14.4f} {r['vs_baseline']:>11.3f}")
     return "\n".join(lines)
+
+
+def plot_hooks(hooks: dict):
+    """Training loss per step for every hook (same data, same seeds) and bytes per step."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4), layout="constrained",
+                               gridspec_kw={"width_ratios": [3, 2]})
+    for r in hooks["rows"]:
+        a.plot(r["losses"], label=r["hook"])
+    a.set_yscale("log")
+    a.set(xlabel="step", ylabel="training loss (mean over ranks)",
+          title="same data, same seeds, different hooks")
+    a.legend(fontsize=7)
+    a.grid(alpha=0.3)
+    names = [r["hook"] for r in hooks["rows"]]
+    bars = b.barh(names, [r["bytes_per_step"] for r in hooks["rows"]], color="#55A868")
+    b.bar_label(bars, fmt="%d", fontsize=7)
+    b.set_xscale("log")
+    b.invert_yaxis()
+    b.set(xlabel="bytes all-reduced per step (counted, rank 0)", title="what each hook sends")
+    plt.close(fig)
+    return fig

@@ -25,7 +25,7 @@ import statistics
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import alternating
+from .timing import JOB_DEADLINE, alternating
 
 __all__ = ["SETTINGS", "measure_knobs", "knob_table", "grad_memory"]
 
@@ -104,7 +104,7 @@ def _knob_rank(rank, world_size, settings, steps, rounds, batch_size, width, dep
     return {"times": {n: s["times"] for n, s in setups.items()}, "memory": memory}
 
 
-def measure_knobs(world_size: int = 2, settings: dict | None = None, steps: int = 24,
+def measure_knobs(world_size: int = 2, settings: dict | None = None, steps: int = 12,
                   rounds: int = 3, batch_size: int = 64, width: int = 256, depth: int = 4,
                   progress: bool = True) -> dict:
     """Step time (median, slowest rank) and all-reduces per step of each DDP setting, and the
@@ -112,17 +112,17 @@ def measure_knobs(world_size: int = 2, settings: dict | None = None, steps: int 
     settings = dict(settings or SETTINGS)
     bar = progress_bar(total=2, show=progress, desc="DDP settings", unit="job")
     res = run(_knob_rank, world_size, args=(settings, steps, rounds, batch_size, width, depth),
-              timeout=120, echo=False)
+              deadline=JOB_DEADLINE, echo=False)
     bar.update(1)
-    traced = run(_knob_rank, world_size, args=(settings, 3 * 2, 3, batch_size, width, depth),
-                 trace=True, timeout=120, echo=False)
+    traced = run(_knob_rank, world_size, args=(settings, 4, 2, batch_size, width, depth),
+                 trace=True, deadline=JOB_DEADLINE, echo=False)
     bar.update(1)
     bar.close()
     rows = []
     for name in settings:
         per_rank = [v["times"][name] for v in res.values]
         step_s = [max(t[i] for t in per_rank) for i in range(1, len(per_rank[0]))]
-        calls = traced.trace.select(rank=0, kind="all_reduce", label=f"{name} step 5")
+        calls = traced.trace.select(rank=0, kind="all_reduce", label=f"{name} step 3")
         rows.append(dict(setting=name, step_ms=statistics.median(step_s) * 1e3,
                          step_spread=(min(step_s) * 1e3, max(step_s) * 1e3),
                          allreduces=len(calls), allreduce_bytes=sum(c["bytes"] for c in calls)))

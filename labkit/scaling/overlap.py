@@ -24,6 +24,7 @@ import statistics
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
+from .timing import JOB_DEADLINE
 
 __all__ = ["measure_overlap_condition", "overlap_table"]
 
@@ -83,7 +84,7 @@ def measure_overlap_condition(world_size: int = 2, widths=(64, 256, 1024), depth
     """
     bar = progress_bar(total=1, show=progress, desc=f"overlap, widths {widths}", unit="job")
     res = run(_overlap_rank, world_size, args=(tuple(widths), depth, batch_size, iters),
-              timeout=120, echo=False)
+              deadline=JOB_DEADLINE, echo=False)
     bar.update(1)
     bar.close()
     rows = []

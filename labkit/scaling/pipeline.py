@@ -38,6 +38,7 @@ from torch import nn
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
+from .timing import JOB_DEADLINE
 
 __all__ = ["SCHEDULES", "bubble_formula", "memory_formula", "measure_pipeline",
            "pipeline_table"]
@@ -195,7 +196,7 @@ def measure_pipeline(world_size: int = 2, micro_batches: int = 4, schedules=SCHE
     """
     bar = progress_bar(total=1, show=progress, desc=f"{len(schedules)} schedules", unit="job")
     res = run(_pipeline_rank, world_size, args=(tuple(schedules), micro_batches, width, blocks,
-                                                batch_size, steps), timeout=120, echo=False)
+                                                batch_size, steps), deadline=JOB_DEADLINE, echo=False)
     bar.update(1)
     bar.close()
     p, m, rows, spans = world_size, micro_batches, [], {}

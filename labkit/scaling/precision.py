@@ -25,7 +25,7 @@ import statistics
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import alternating
+from .timing import JOB_DEADLINE, alternating
 
 __all__ = ["MODES", "compare_precision", "precision_table"]
 
@@ -87,8 +87,8 @@ def _precision_rank(rank, world_size, steps, rounds, batch_size, width, depth, l
     return out
 
 
-def compare_precision(world_size: int = 2, steps: int = 30, rounds: int = 3,
-                      batch_size: int = 64, width: int = 256, depth: int = 3, lr: float = 0.05,
+def compare_precision(world_size: int = 2, steps: int = 18, rounds: int = 3,
+                      batch_size: int = 64, width: int = 192, depth: int = 3, lr: float = 0.05,
                       progress: bool = True) -> dict:
     """Train in each of :data:`MODES` (one job) and trace one step of each (a second, short one).
 
@@ -98,10 +98,10 @@ def compare_precision(world_size: int = 2, steps: int = 30, rounds: int = 3,
     """
     bar = progress_bar(total=2, show=progress, desc="precision modes", unit="job")
     res = run(_precision_rank, world_size, args=(steps, rounds, batch_size, width, depth, lr),
-              timeout=120, echo=False)
+              deadline=JOB_DEADLINE, echo=False)
     bar.update(1)
-    traced = run(_precision_rank, world_size, args=(6, 3, batch_size, width, depth, lr),
-                 trace=True, timeout=120, echo=False)
+    traced = run(_precision_rank, world_size, args=(4, 2, batch_size, width, depth, lr),
+                 trace=True, deadline=JOB_DEADLINE, echo=False)
     bar.update(1)
     bar.close()
     base = res.values[0]["fp32"]["eval"]

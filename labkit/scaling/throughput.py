@@ -29,9 +29,9 @@ import time
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import alternating, ratio_summary, summary
+from .timing import JOB_DEADLINE, alternating, ratio_summary, summary
 
-__all__ = ["machine", "ceiling", "measure_scaling", "scaling_rows", "scaling_table",
+__all__ = ["machine", "ceiling", "measure_scaling", "scaling_rows", "scaling_table", "plot_scaling",
            "WORLD_SIZES", "MODES"]
 
 WORLD_SIZES = (1, 2, 4)
@@ -111,7 +111,7 @@ def measure_scaling(sizes=WORLD_SIZES, global_batch: int = 1024, per_rank_batch:
     bar = progress_bar(total=1, show=progress, desc=f"scaling on {sizes} ranks", unit="job")
     res = run(_scaling_rank, max(sizes), args=(sizes, global_batch, per_rank_batch, width,
                                                depth, warmup, steps, rounds),
-              timeout=120, echo=False)
+              deadline=JOB_DEADLINE, echo=False)
     bar.update(1)
     bar.close()
     step_s = {}
@@ -165,3 +165,31 @@ def scaling_table(sc: dict) -> str:
 
 def _f(s: dict, digits: int) -> str:
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def plot_scaling(sc: dict):
+    """Speedup against ranks: strong, weak and alone (medians, min-max bars), the ideal n and
+    this machine's core ceiling."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), layout="constrained")
+    sizes = sc["settings"]["sizes"]
+    for mode, marker in zip(MODES, "osd"):
+        rows = [r for r in sc["rows"] if r["mode"] == mode]
+        med = [r["speedup"]["median"] for r in rows]
+        lo = [r["speedup"]["median"] - r["speedup"]["min"] for r in rows]
+        hi = [r["speedup"]["max"] - r["speedup"]["median"] for r in rows]
+        ax.errorbar(sizes, med, yerr=[lo, hi], marker=marker, capsize=3,
+                    label=f"{mode} (measured)")
+    ax.plot(sizes, sizes, "k--", lw=1, label="ideal: n times faster")
+    cores = sc["machine"]["cores"]
+    ax.plot(sizes, [ceiling(n, cores) for n in sizes], ":", color="grey", lw=2,
+            label=f"ceiling of {cores} cores: min(n, {cores})")
+    ax.set_xticks(sizes)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("speedup over 1 rank")
+    ax.set_title(f"measured here (load average {sc['machine']['load']:.1f})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    plt.close(fig)
+    return fig

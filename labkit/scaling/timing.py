@@ -18,7 +18,12 @@ from __future__ import annotations
 import statistics
 from typing import Sequence, TypeVar
 
-__all__ = ["alternating", "slowest", "summary", "ratio_summary", "fmt_spread"]
+__all__ = ["alternating", "slowest", "summary", "ratio_summary", "fmt_spread", "JOB_DEADLINE"]
+
+# The measurements run with lk.run's default process-group timeout, so they share the
+# notebook's warm ranks (a different timeout is a different pool of ranks), and with a wall-clock
+# deadline generous enough for a loaded machine.
+JOB_DEADLINE = 180.0
 
 T = TypeVar("T")
 
