@@ -38,7 +38,7 @@ import statistics
 from ..collectives.bandwidth import fmt_bytes
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import JOB_DEADLINE
+from .timing import JOB_DEADLINE, slowest_runs
 
 __all__ = ["COLLECTIVES", "BUSBW_FACTOR", "model_time", "busbw_factor", "measure_costs",
            "fit_link", "cost_rows", "cost_table"]
@@ -110,7 +110,7 @@ def measure_costs(sizes=(2 ** 16, 2 ** 20), world_sizes=(2, 4), collectives=COLL
         res = run(_cost_rank, n, args=(tuple(sizes), tuple(collectives), iters), deadline=JOB_DEADLINE,
                   echo=False)
         for (c, nbytes), _ in res.values[0].items():
-            per_run = [max(v[(c, nbytes)][i] for v in res.values) for i in range(iters)]
+            per_run = slowest_runs([v[(c, nbytes)] for v in res.values])
             t = statistics.median(per_run)
             algbw = nbytes / t / 1e9
             rows.append(dict(collective=c, world_size=n, bytes=nbytes, time_s=t, runs=iters,

@@ -28,7 +28,7 @@ import statistics
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import JOB_DEADLINE
+from .timing import JOB_DEADLINE, slowest_runs
 
 __all__ = ["HOOKS", "make_hook", "compare_hooks", "hook_table", "plot_hooks", "traced_hook_steps",
            "powersgd_bytes"]
@@ -128,7 +128,7 @@ def compare_hooks(world_size: int = 2, names=HOOKS, steps: int = 40, batch_size:
     rows = []
     for name in names:
         per_rank = [res.values[r][name] for r in range(world_size)]
-        step_s = [max(v["times"][i] for v in per_rank) for i in range(3, steps)]
+        step_s = slowest_runs([v["times"] for v in per_rank], skip=3)
         sent = traced["bytes"][name][-1]                  # a step after PowerSGD has started
         losses = [sum(v["losses"][i] for v in per_rank) / world_size for i in range(steps)]
         rows.append(dict(hook=name, bytes_per_step=sent, vs_fp32=sent / traced["grad_bytes"],

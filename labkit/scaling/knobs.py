@@ -25,7 +25,7 @@ import statistics
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import JOB_DEADLINE, alternating
+from .timing import JOB_DEADLINE, alternating, slowest_runs
 
 __all__ = ["SETTINGS", "measure_knobs", "knob_table", "grad_memory"]
 
@@ -121,7 +121,7 @@ def measure_knobs(world_size: int = 2, settings: dict | None = None, steps: int 
     rows = []
     for name in settings:
         per_rank = [v["times"][name] for v in res.values]
-        step_s = [max(t[i] for t in per_rank) for i in range(1, len(per_rank[0]))]
+        step_s = slowest_runs(per_rank, skip=1)
         calls = traced.trace.select(rank=0, kind="all_reduce", label=f"{name} step 3")
         rows.append(dict(setting=name, step_ms=statistics.median(step_s) * 1e3,
                          step_spread=(min(step_s) * 1e3, max(step_s) * 1e3),

@@ -24,7 +24,7 @@ import statistics
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import JOB_DEADLINE
+from .timing import JOB_DEADLINE, slowest_runs
 
 __all__ = ["measure_overlap_condition", "overlap_table"]
 
@@ -91,7 +91,7 @@ def measure_overlap_condition(world_size: int = 2, widths=(64, 256, 1024), depth
     for w in widths:
         med = {}
         for key in ("backward", "allreduce", "local_step", "ddp_step"):
-            per_run = [max(v[w][key][i] for v in res.values) for i in range(iters)]
+            per_run = slowest_runs([v[w][key] for v in res.values])
             med[key] = statistics.median(per_run) * 1e3
         rows.append(dict(width=w, params=res.values[0][w]["params"],
                          grad_bytes=4 * res.values[0][w]["params"], backward_ms=med["backward"],

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import JOB_DEADLINE
+from .timing import JOB_DEADLINE, slowest_runs
 
 __all__ = ["SCHEDULES", "bubble_formula", "memory_formula", "measure_pipeline",
            "pipeline_table"]
@@ -202,7 +202,7 @@ def measure_pipeline(world_size: int = 2, micro_batches: int = 4, schedules=SCHE
     p, m, rows, spans = world_size, micro_batches, [], {}
     for name in schedules:
         per_rank = [v[name] for v in res.values]
-        step = [max(v["times"][i] for v in per_rank) for i in range(steps)]
+        step = slowest_runs([v["times"] for v in per_rank])
         bubbles = [1 - statistics.median(v["busy"]) / statistics.median(step) for v in per_rank]
         rows.append(dict(schedule=name, step_ms=statistics.median(step) * 1e3,
                          bubble=sum(bubbles) / p, bubble_per_rank=bubbles,

@@ -25,7 +25,7 @@ import statistics
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import JOB_DEADLINE, alternating
+from .timing import JOB_DEADLINE, alternating, slowest_runs
 
 __all__ = ["MODES", "compare_precision", "precision_table"]
 
@@ -108,8 +108,7 @@ def compare_precision(world_size: int = 2, steps: int = 18, rounds: int = 3,
     rows = []
     for mode in MODES:
         per_rank = [v[mode] for v in res.values]
-        k = len(per_rank[0]["times"])
-        step_s = [max(v["times"][i] for v in per_rank) for i in range(1, k)]
+        step_s = slowest_runs([v["times"] for v in per_rank], skip=1)
         counted = traced.trace.bytes(rank=0, kind="all_reduce", label=f"{mode} step 3")
         rows.append(dict(mode=mode, step_ms=statistics.median(step_s) * 1e3,
                          step_spread=(min(step_s) * 1e3, max(step_s) * 1e3),

@@ -29,7 +29,7 @@ import time
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .timing import JOB_DEADLINE, alternating, ratio_summary, summary
+from .timing import JOB_DEADLINE, alternating, ratio_summary, slowest_runs, summary
 
 __all__ = ["machine", "ceiling", "measure_scaling", "scaling_rows", "scaling_table", "plot_scaling",
            "WORLD_SIZES", "MODES"]
@@ -117,7 +117,7 @@ def measure_scaling(sizes=WORLD_SIZES, global_batch: int = 1024, per_rank_batch:
     step_s = {}
     for key in res.values[0]:
         n = int(key.split()[1])
-        step_s[key] = [max(res.values[r][key][i] for r in range(n)) for i in range(rounds)]
+        step_s[key] = slowest_runs([res.values[r][key] for r in range(n)])
     settings = dict(sizes=sizes, global_batch=global_batch, per_rank_batch=per_rank_batch,
                     width=width, depth=depth, warmup=warmup, steps=steps, rounds=rounds)
     out = {"step_s": step_s, "machine": machine(), "settings": settings}

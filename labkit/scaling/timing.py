@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Sequence, TypeVar
 
-__all__ = ["alternating", "slowest", "summary", "ratio_summary", "fmt_spread", "JOB_DEADLINE"]
+__all__ = ["alternating", "slowest", "slowest_runs", "summary", "ratio_summary", "fmt_spread", "JOB_DEADLINE"]
 
 # The measurements run with lk.run's default process-group timeout, so they share the
 # notebook's warm ranks (a different timeout is a different pool of ranks), and with a wall-clock
@@ -42,6 +42,16 @@ def alternating(variants: Sequence[T], rounds: int) -> list[list[T]]:
 def slowest(per_rank: Sequence[float]) -> float:
     """The step time of a synchronous job: the slowest rank's."""
     return max(per_rank)
+
+
+def slowest_runs(per_rank: Sequence[Sequence[float]], skip: int = 0) -> list[float]:
+    """Run i's time = the slowest rank's time of run i (``per_rank[r][i]``), from run ``skip``.
+
+    >>> slowest_runs([[1.0, 2.0, 3.0], [1.5, 1.0, 4.0]], skip=1)
+    [2.0, 4.0]
+    """
+    runs = min(len(times) for times in per_rank)
+    return [max(times[i] for times in per_rank) for i in range(skip, runs)]
 
 
 def summary(samples: Sequence[float]) -> dict:

@@ -235,3 +235,28 @@ def test_comm_trace_logic_on_synthetic_records():
              and e["pid"] == 0}
     assert lanes == {1, 2}                  # the async op overlaps the first: its own thread
     assert "all_reduce x4" in repr(tr)
+
+
+def gloo_p2p_work(rank, world_size):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(16)
+    work = dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0)
+    try:
+        work.get_future()
+        has_future = True
+    except RuntimeError:
+        has_future = False
+    time.sleep(0.2)                        # the message has long arrived
+    before = work.is_completed()
+    work.wait()
+    return has_future, before, work.is_completed()
+
+
+def test_why_p2p_ends_come_from_wait_gloo_p2p_works_have_no_future_and_complete_on_wait():
+    """commtrace's design rests on this (torch 2.13, gloo): a send/recv Work has no future and
+    says is_completed() == False until wait() is called, so polling cannot time it."""
+    assert lk.run(gloo_p2p_work, 2, echo=False).values == [(False, False, True)] * 2
