@@ -475,10 +475,11 @@ class CommTrace:
         starts = [r["start"] for r in self.records]
         return min(starts) if starts else 0.0
 
-    def matched(self) -> list[dict]:
+    def matched(self, kinds: tuple[str, ...] | None = None) -> list[dict]:
         """Each collective across the ranks that ran it (matched by group and order, as gloo and
         NCCL match them): ``{kind, bytes, group_ranks, arrivals: {rank: start}, last (rank),
-        skew (s)}``. The ``last`` rank is the straggler everyone else waited for."""
+        skew (s)}``. The ``last`` rank is the straggler everyone else waited for. ``kinds``
+        keeps only those kinds (matching still counts every collective of a group)."""
         calls: dict[tuple, dict] = {}
         for recs in self.per_rank:
             count: dict[tuple, int] = defaultdict(int)
@@ -493,18 +494,27 @@ class CommTrace:
                 c["arrivals"][r["rank"]] = r["start"]
         out = []
         for c in sorted(calls.values(), key=lambda c: min(c["arrivals"].values())):
+            if kinds is not None and c["kind"] not in kinds:
+                continue
             first = min(c["arrivals"].values())
             c["last"] = max(c["arrivals"], key=c["arrivals"].get)
             c["skew"] = c["arrivals"][c["last"]] - first
             out.append(c)
         return out
 
-    def table(self, limit: int = 20) -> str:
-        """The first ``limit`` records as text, times in ms from the job's first op."""
+    def waited_for_peers(self, rank: int, kinds: tuple[str, ...] | None = None) -> float:
+        """Seconds ``rank`` had a collective in flight before the group's last rank issued it:
+        time lost to stragglers, whoever waited (a Python ``wait()`` or PyTorch's C++)."""
+        return sum(m["arrivals"][m["last"]] - m["arrivals"][rank]
+                   for m in self.matched(kinds) if rank in m["arrivals"])
+
+    def table(self, limit: int = 20, kind: str | None = None) -> str:
+        """The first ``limit`` records (of ``kind``) as text, times in ms from the job's first op."""
         t0 = self.t0()
         lines = [f"{'rank':>4} {'kind':<15} {'bytes':>10} {'group':<12} {'peer':>4} "
                  f"{'start ms':>9} {'dur ms':>8} {'wait ms':>8}  label"]
-        for r in self.records[:limit]:
+        chosen = self.select(kind=kind)
+        for r in chosen[:limit]:
             dur = f"{(r['end'] - r['start']) * 1e3:8.3f}" if r["end"] is not None else "       ?"
             wait = (f"{(r['wait_end'] - r['wait_start']) * 1e3:8.3f}"
                     if r["wait_start"] is not None else "       -")
@@ -512,9 +522,8 @@ class CommTrace:
             group = ",".join(map(str, r["group_ranks"]))
             lines.append(f"{r['rank']:>4} {r['kind']:<15} {r['bytes']:>10} {group:<12} "
                          f"{peer:>4} {(r['start'] - t0) * 1e3:9.3f} {dur} {wait}  {r['label']}")
-        n = sum(len(recs) for recs in self.per_rank)
-        if n > limit:
-            lines.append(f"... {n - limit} more records")
+        if len(chosen) > limit:
+            lines.append(f"... {len(chosen) - limit} more records")
         return "\n".join(lines)
 
     def spans(self) -> list[list[dict]]:

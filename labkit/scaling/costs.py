@@ -158,8 +158,10 @@ def cost_table(rows: list[dict]) -> str:
     link = fit_link(rows)
     lines = ["each collective on gloo: median of the slowest rank; model = alpha-beta formula "
              "with alpha, beta fitted to this world size's all-reduce (a MODEL)"]
-    lines += [f"  {n} ranks: alpha = {f['alpha'] * 1e6:.0f} us/step, 1/beta = "
-              f"{f['link_GBps']:.2f} GB/s" for n, f in link.items()]
+    lines += [f"  {n} ranks: alpha = {f['alpha'] * 1e6:.0f} us/step, " + (
+              f"1/beta = {f['link_GBps']:.2f} GB/s" if f["beta"] > 1e-14 else
+              "beta not resolved: the largest message was no slower than the small ones here "
+              "(noise; measure more sizes or runs)") for n, f in link.items()]
     lines.append(f"{'collective':<15}{'ranks':>5} {'S':>8} {'measured ms':>12} {'model ms':>9} "
                  f"{'x model':>8} {'algbw GB/s':>11} {'busbw GB/s':>11}  busbw factor")
     for r in cost_rows(rows, link):
