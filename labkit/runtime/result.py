@@ -132,7 +132,7 @@ class JobResult:
         unless the job ran with ``trace=True``. Ranks that hung or died have no records."""
         if all(r.trace is None for r in self.ranks):
             return None
-        from .commtrace import CommTrace
+        from .commview import CommTrace
 
         return CommTrace([r.trace or [] for r in self.ranks],
                          [r.trace_dropped for r in self.ranks])
