@@ -11,7 +11,7 @@ the lab starts; :mod:`labkit.grading` scores quizzes and exercises; :mod:`labkit
 reads failed jobs; :mod:`labkit.common` holds what every lesson shares; then one subpackage
 per lesson, each with its content modules and a ``check.py`` for its exercise checkers:
 ``parallelism`` (01), ``ddp`` (02), ``collectives`` (03), ``pitfalls`` (04), ``torchrun`` (05),
-``sharding`` (06), ``capstone`` (08).
+``sharding`` (06), ``scaling`` (07), ``capstone`` (08).
 A lesson imports only the layers below it and earlier lessons' shared pieces, never a later
 lesson.
 
@@ -41,6 +41,7 @@ HANDLES = {
     "nccl_capture": "pitfalls.nccl_capture",
     "torchrun": "torchrun", "train": "torchrun.train",                     # notebook 05
     "sharding": "sharding",                                                # notebook 06
+    "scaling": "scaling",                                                  # notebook 07
     "capstone": "capstone",                                                # notebook 08
 }
 

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "launch": ("labkit.runtime.bench", "rank start-up latency and warm-pool memory"),
     "allreduce": ("labkit.collectives.bandwidth", "all-reduce time, algbw and busbw by size"),
     "sharding": ("labkit.sharding.bench", "memory per rank and step time: DDP, ZeRO-1/2/3, FSDP2"),
+    "scaling": ("labkit.scaling.bench", "scaling table, every collective's cost, comm hooks"),
 }
 
 

@@ -10,6 +10,9 @@
   gives each rank; one value per rank.
 * :func:`bucket_explorer` — a bucket-size slider over recorded timelines
   (a static grid when no widget front-end can show it, e.g. under nbval).
+* :func:`comm_timeline` — every collective and wait of a traced job
+  (``lk.run(..., trace=True)``), per rank, stragglers marked (notebook 07;
+  drawn by :mod:`labkit.common.commplot`).
 
 Every function returns a matplotlib ``Figure`` (or a widget); in a notebook
 end the line with ``;`` or assign it so it is shown once.
@@ -27,8 +30,11 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import torch
 
+from .commplot import comm_timeline
+
 __all__ = ["KIND_COLORS", "rank_color", "timeline", "gradient_inspector", "per_rank",
-           "replica_drift", "checksums", "shards", "bucket_explorer", "bucket_grid"]
+           "replica_drift", "checksums", "shards", "bucket_explorer", "bucket_grid",
+           "comm_timeline"]
 
 KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "all_reduce": "#55A868",
                "step": "#8172B3", "idle": "#D9D9D9", "send": "#C44E52", "recv": "#C44E52",

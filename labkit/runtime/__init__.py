@@ -6,6 +6,8 @@
 * :mod:`~labkit.runtime.pickling` — functions to the ranks by value, values back;
 * :mod:`~labkit.runtime.result`, :mod:`~labkit.runtime.errors`, :mod:`~labkit.runtime.stacks`
   — what a job hands back, the errors that name the rank, where a hung rank is stuck;
+* :mod:`~labkit.runtime.commtrace` / :mod:`~labkit.runtime.commview` — ``lk.run(...,
+  trace=True)``: every collective of every rank recorded in the ranks, read in the notebook;
 * :mod:`~labkit.runtime.procs` — free ports, parent-death signals, killing and reaping
   (also used by the grader's kernels and the torchrun launcher).
 

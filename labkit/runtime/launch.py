@@ -52,7 +52,7 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
         kwargs: dict | None = None, backend: str = "auto", timeout: float = 30.0,
         deadline: float | None = None, env: dict[str, str] | None = None,
         threads: int = 1, check: bool = True, echo: bool = True,
-        fresh: bool = False) -> JobResult:
+        fresh: bool = False, trace: bool = False) -> JobResult:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` real ranks.
 
     Each rank is its own process with the default process group initialised
@@ -73,9 +73,13 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
         check: raise :class:`JobFailed` when a rank fails (else return the result).
         echo: print each rank's output in rank order after the job.
         fresh: start new rank processes even if a warm pool matches.
+        trace: record every collective and point-to-point op of every rank
+            (:mod:`labkit.runtime.commtrace`), returned as ``result.trace``; ``fn`` is not
+            changed. It slows the ranks' compute while on; off (the default) installs nothing.
 
     Returns:
-        :class:`JobResult` with per-rank ``values``, ``stdout``, ``stderr``, ``wall_s``.
+        :class:`JobResult` with per-rank ``values``, ``stdout``, ``stderr``, ``wall_s``
+        (and ``trace`` when asked for).
 
     Example::
 
@@ -89,6 +93,9 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
     check_platform()
     kwargs = dict(kwargs or {})
     env = _check_job(fn, world_size, args, kwargs, backend, timeout, deadline, env, threads)
+    if not isinstance(trace, bool):
+        raise InvalidJob(f"trace must be True or False, got {trace!r}. trace=True records every "
+                         f"collective of every rank (result.trace).")
     t0 = time.perf_counter()
     if backend == "nccl":  # refuse before anything starts
         _resolve_backend(backend, world_size, None)
@@ -100,7 +107,8 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
                         threads=threads, idle_timeout=_IDLE_S)
         pool, cold = _pool_for(zygote, spec, fresh)
         try:
-            result = pool.run_job(payload, timeout + 3.0 if deadline is None else deadline)
+            result = pool.run_job(payload, timeout + 3.0 if deadline is None else deadline,
+                                  trace=trace)
         except BaseException:  # KeyboardInterrupt included: no rank outlives its job
             _drop_pool()
             raise

@@ -163,14 +163,14 @@ class Pool:
         return (zygote is self.zygote and spec == self.spec and self.healthy and fresh_enough
                 and not any(p in self.zygote.exits for p in self.pids))
 
-    def run_job(self, payload: bytes, deadline: float) -> JobResult:
+    def run_job(self, payload: bytes, deadline: float, trace: bool = False) -> JobResult:
         self.jobs += 1
         n = len(self.conns)
         files = [(os.path.join(self.dir, f"job{self.jobs}-rank{r}.out"),
                   os.path.join(self.dir, f"job{self.jobs}-rank{r}.err")) for r in range(n)]
         ranks = [RankResult(rank=r, pid=self.pids[r]) for r in range(n)]
         pending, died = set(range(n)), set()
-        job = dict(payload=payload, cwd=os.getcwd(), sys_path=list(sys.path))
+        job = dict(payload=payload, cwd=os.getcwd(), sys_path=list(sys.path), trace=trace)
         for r, conn in enumerate(self.conns):
             try:
                 conn.send((JOB, dict(job, stdout=files[r][0], stderr=files[r][1])))
@@ -255,6 +255,7 @@ def _read(path: str) -> str:
 
 def _fill(rank: RankResult, report: dict) -> None:
     rank.status, rank.wall_s = report["status"], report.get("wall_s")
+    rank.trace, rank.trace_dropped = report.get("trace"), report.get("trace_dropped", 0)
     if rank.status == "ok":
         try:
             rank.value = load_value(report["value"], report.get("value_type"))

@@ -15,8 +15,11 @@ Notebook ↔ rank r (a socket pair, multiprocessing Connection framing)::
     rank 0 → notebook   (PORT, port)                   rank 0's TCPStore listens here
     notebook → rank r   (PORT, port)                   for r > 0
     rank → notebook     (READY, pid)                   process group initialised
-    notebook → rank     (JOB, {payload, cwd, sys_path, stdout, stderr})
+    notebook → rank     (JOB, {payload, cwd, sys_path, stdout, stderr, trace})
     rank → notebook     (DONE, report)                 see labkit.runtime.zygote
+
+``trace`` (bool): record the rank's collectives (labkit.runtime.commtrace); the report then
+carries ``trace`` (a list of record dicts) and ``trace_dropped``.
 """
 from __future__ import annotations
 

@@ -40,6 +40,8 @@ class RankResult:
     where: str | None = None       # for "hung": one line, where it was stuck
     pid: int | None = None
     t_fail: float | None = None    # time.time() of the failure, to find the first one
+    trace: list | None = None      # lk.run(..., trace=True): this rank's collectives (commtrace)
+    trace_dropped: int = 0         # records beyond the recorder's cap
 
     @property
     def ok(self) -> bool:
@@ -123,6 +125,17 @@ class JobResult:
     @property
     def ok(self) -> bool:
         return all(r.ok for r in self.ranks)
+
+    @property
+    def trace(self):
+        """Every rank's collectives (:class:`~labkit.runtime.commtrace.CommTrace`), or None
+        unless the job ran with ``trace=True``. Ranks that hung or died have no records."""
+        if all(r.trace is None for r in self.ranks):
+            return None
+        from .commview import CommTrace
+
+        return CommTrace([r.trace or [] for r in self.ranks],
+                         [r.trace_dropped for r in self.ranks])
 
     @property
     def failed_ranks(self) -> list[int]:

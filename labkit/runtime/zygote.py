@@ -201,10 +201,15 @@ def _run_job(job: dict, rank: int, world_size: int, devnull: int) -> dict:
     torch.seed()  # like a fresh process: forked ranks would otherwise share one RNG state
     random.seed()
     report: dict = {"status": "ok"}
+    recorder = _recorder(rank) if job.get("trace") else None
     t0 = time.perf_counter()
     try:
         fn, args, kwargs = cloudpickle.loads(job["payload"])
-        value = fn(rank, world_size, *args, **kwargs)
+        if recorder is None:
+            value = fn(rank, world_size, *args, **kwargs)
+        else:
+            with recorder:
+                value = fn(rank, world_size, *args, **kwargs)
     except SystemExit as exc:  # sys.exit() in a rank ends that rank, as it would under torchrun
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         os._exit(code)
@@ -213,6 +218,8 @@ def _run_job(job: dict, rank: int, world_size: int, devnull: int) -> dict:
         report.update(status="raised", error=f"{type(exc).__name__}: {exc}",
                       exc_type=type(exc).__name__, t_fail=time.time(), traceback="".join(tb))
     report["wall_s"] = time.perf_counter() - t0
+    if recorder is not None:  # also for a rank that raised: where it was is in its trace
+        report["trace"], report["trace_dropped"] = recorder.records, recorder.dropped
     if report["status"] == "ok":
         try:
             report["value"] = cloudpickle.dumps(_to_cpu(value))
@@ -225,6 +232,13 @@ def _run_job(job: dict, rank: int, world_size: int, devnull: int) -> dict:
     for fd in (1, 2):
         os.dup2(devnull, fd)
     return report
+
+
+def _recorder(rank: int):
+    """A :class:`labkit.runtime.commtrace.CommRecorder` for this job (imported only when asked)."""
+    from .commtrace import CommRecorder
+
+    return CommRecorder(rank)
 
 
 def _to_cpu(value):

@@ -1,0 +1,284 @@
+"""Notebook 07's exercise checker (a compression hook written by hand) and its quiz keys.
+
+**The exercise.** The learner writes ``fp16_hook(state, bucket)``, a DDP communication hook
+that sends the bucket's gradients as float16 and leaves every rank with their fp32 average.
+:func:`check_compress_hook` registers it on a DDP model in real ranks (2 and 3) next to a
+reference DDP model with the default all-reduce, same initial weights, and a plain copy that
+gives each rank's local gradient; every rank draws its data from a secret of its own. Every
+step, on every rank, it checks:
+
+* **the gradient** — within float16's stated error of the averaged fp32 gradient: casting
+  to fp16 and adding n numbers in fp16 errs by at most about n·2^-11 of the largest local
+  gradient (plus 1e-6 for values fp16 flushes to 0);
+* **the bytes** — what the rank all-reduced during the hooked backward, **counted** by
+  ``lk.run(trace=True)`` (every collective whatever route it took, those a future's callback
+  issues included), must be at most half of the fp32 buckets' bytes, and more than 0;
+* **the replicas** — every rank ends with the same parameters (compared with all_gather);
+* **training** — after a few steps the held-out loss is below where it started and within 10%
+  of the reference run's;
+* **by hand** — nothing in ``torch.distributed.algorithms.ddp_comm_hooks`` ran inside the
+  hook (``sys.setprofile`` watches every call it makes).
+
+So: no compression fails the bytes, wrong averaging (summed, or divided twice) the gradient,
+doing nothing the gradient and the replicas, and calling torch's ``fp16_compress_hook`` the
+last case. A check that cannot run fails its case and says why.
+
+**Quiz keys** (``key = "labkit.scaling.check:..."``) compute answers from the learner's own
+measurements: the notebook's ``scaling``, ``hooks``, ``knobs`` and ``machine_info``.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from ..grading.exercise import Case, NotDone
+from ..runtime import run
+
+__all__ = ["check_compress_hook", "hook_job", "probe_job", "weak_speedup_2", "strong_efficiency_4",
+           "core_ceiling", "fp16_bytes_per_step", "view_bytes_saved", "unused_allreduces",
+           "FP16_EPS"]
+
+FP16_EPS = 2.0 ** -11            # float16's unit roundoff (10 stored mantissa bits)
+_LIBRARY = "ddp_comm_hooks"      # torch/distributed/algorithms/ddp_comm_hooks/*.py
+_STEPS = 8
+
+
+# ------------------------------------------------------------------ inside the ranks
+def _watched(fn, state: dict):
+    """Wrap the learner's hook: note calls into torch's hook library and a stub."""
+    def hook(process_state, bucket):
+        def profile(frame, event, arg):
+            if event == "call" and _LIBRARY in frame.f_code.co_filename:
+                state["library"] = frame.f_code.co_name
+        state["calls"] += 1
+        old = sys.getprofile()
+        sys.setprofile(profile)
+        try:
+            return fn(process_state, bucket)
+        except NotImplementedError:
+            state["not_done"] = True
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+            return allreduce_hook(process_state, bucket)   # finish the step, then stop
+        finally:
+            sys.setprofile(old)
+    return hook
+
+
+def hook_job(rank: int, world_size: int, fn: Callable, steps: int = _STEPS) -> dict:
+    """Train a hooked DDP model next to a reference one; report what the checker needs."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..runtime import commtrace
+    from .task import IN_DIM, eval_loss, label, student
+    secret = int.from_bytes(os.urandom(4), "little")        # this rank's data: its own secret
+    data = torch.Generator().manual_seed(secret)
+    mine_m, oracle_m, base_m, plain = (student(48, 3, seed=1) for _ in range(4))
+    mine, oracle, base = (DDP(m, bucket_cap_mb=0.004) for m in (mine_m, oracle_m, base_m))
+    state = {"calls": 0, "library": "", "not_done": False}
+    mine.register_comm_hook(None, _watched(fn, state))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (mine_m, base_m)]
+    start_loss = eval_loss(mine_m)
+    worst, bucket_bytes = [], []
+    for step in range(steps):
+        x = torch.randn(16, IN_DIM, generator=data)
+        y = label(x)
+        for m in (oracle_m, plain):                         # the reference, at mine's weights
+            m.load_state_dict(mine_m.state_dict())
+        for m in (mine, oracle, base, plain):
+            m.zero_grad()
+        F.mse_loss(plain(x), y).backward()                  # this rank's local gradient
+        loss = F.mse_loss(mine(x), y)        # forward: DDP's own bookkeeping, not the hook's
+        with commtrace.label(f"mine {step}"):
+            loss.backward()
+        if state["not_done"]:
+            return {"not_done": True}
+        F.mse_loss(oracle(x), y).backward()                 # the fp32 average, by DDP
+        F.mse_loss(base(x), y).backward()                   # an uncompressed run, trained
+        local_max = torch.stack([p.grad.abs().max() for p in plain.parameters()])
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX)    # the largest local gradient
+        errs = []
+        for (name, p), q, m in zip(mine_m.named_parameters(), oracle_m.parameters(), local_max):
+            tol = 2 * world_size * FP16_EPS * float(m) + 1e-6
+            errs.append((float((p.grad - q.grad).abs().max()) / tol, name))
+        worst.append(max(errs))
+        bucket_bytes.append(sum(p.numel() * 4 for p in mine_m.parameters()))
+        for opt in opts:
+            opt.step()
+    mine_sum = torch.tensor([float(sum(p.double().sum() for p in mine_m.parameters()))],
+                            dtype=torch.float64)
+    sums = [torch.zeros_like(mine_sum) for _ in range(world_size)]
+    dist.all_gather(sums, mine_sum)
+    return {"not_done": False, "worst": worst, "bucket_bytes": bucket_bytes,
+            "library": state["library"], "calls": state["calls"],
+            "sums": [float(s) for s in sums], "start": start_loss,
+            "mine_loss": eval_loss(mine_m), "ref_loss": eval_loss(base_m)}
+
+
+class _Bucket:
+    """Stands in for DDP's GradBucket in :func:`probe_job` (what a hook may call on it)."""
+
+    def __init__(self, buffer) -> None:
+        self._buffer = buffer
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def gradients(self):
+        return [self._buffer]
+
+    def parameters(self):
+        return []
+
+
+def probe_job(rank: int, world_size: int, fn: Callable) -> str:
+    """Call the hook once on a plain tensor, without DDP: a stub or a hook that returns no
+    Future is named in a second, before DDP's start-up cost is paid."""
+    import torch
+
+    try:
+        fut = fn(None, _Bucket(torch.ones(8) * (rank + 1)))
+    except NotImplementedError:
+        return "not done"
+    if not hasattr(fut, "wait") or not hasattr(fut, "then"):
+        return (f"the hook returned {type(fut).__name__}, not a torch.futures.Future (return "
+                f"fut.then(decompress))")
+    fut.wait()
+    return "ok"
+
+
+# ------------------------------------------------------------------ the checker
+def check_compress_hook(fn: Callable, world_sizes: tuple = (2, 3), timeout: float = 30.0) -> list:
+    """Check the learner's fp16 compression hook on real ranks: ``list[Case]``.
+
+    Example::
+
+        lk.exercise.check("07.fp16_hook", fp16_hook)      # calls this
+    """
+    cases: list[Case] = []
+    library = ""
+    probe = run(probe_job, world_sizes[0], args=(fn,), timeout=timeout, deadline=timeout + 30,
+                check=False, echo=False)
+    if probe.ok and "not done" in probe.values:
+        raise NotDone("the hook raises NotImplementedError")
+    if probe.ok and any(v != "ok" for v in probe.values):
+        why = next(v for v in probe.values if v != "ok")
+        return [Case("returns a Future of the averaged bucket", False, why)]
+    for n in world_sizes:
+        names = [f"{n} ranks: gradients equal the fp32 average within fp16's error",
+                 f"{n} ranks: at most half the fp32 bytes sent (counted by the trace)",
+                 f"{n} ranks: replicas stay identical",
+                 f"{n} ranks: the model still trains"]
+        res = run(hook_job, n, args=(fn,), trace=True, timeout=timeout, deadline=timeout + 30,
+                  check=False, echo=False)
+        if not res.ok:
+            why = _failure(res)
+            cases += [Case(name, False, f"the job failed: {why}") for name in names]
+            continue
+        reports = res.values
+        if any(r["not_done"] for r in reports):
+            raise NotDone(f"{n} ranks")
+        library = library or next((r["library"] for r in reports if r["library"]), "")
+        verdicts = [_gradients(reports), _bytes(res.trace, reports, n), _replicas(reports),
+                    _trains(reports[0])]
+        cases += [Case(name, ok, detail) for name, (ok, detail) in zip(names, verdicts)]
+    cases.append(Case("written by hand (not torch's fp16_compress_hook)", not library,
+                      f"your hook called torch's {library}() from ddp_comm_hooks: write the "
+                      f"cast, the all-reduce and the decompression yourself" if library else
+                      "no call into torch.distributed.algorithms.ddp_comm_hooks"))
+    return cases
+
+
+def _failure(res) -> str:
+    r = res.first_failure()
+    return r.describe() if r is not None else "unknown"
+
+
+def _gradients(reports) -> tuple[bool, str]:
+    for rank, r in enumerate(reports):
+        for step, (ratio, name) in enumerate(r["worst"]):
+            if ratio > 1.0:
+                return False, (f"rank {rank}, step {step}: {name}.grad is off the averaged fp32 "
+                               f"gradient by {ratio:.3g}x fp16's error bound (did you average "
+                               f"— divide by the world size once — and all-reduce every bucket?)")
+    worst = max(ratio for r in reports for ratio, _ in r["worst"])
+    return True, f"worst error {worst:.2f} of the bound, every rank, every step"
+
+
+def _bytes(trace, reports, n) -> tuple[bool, str]:
+    for rank, r in enumerate(reports):
+        for step, fp32 in enumerate(r["bucket_bytes"]):
+            sent = trace.bytes(rank=rank, label=f"mine {step}")
+            if sent == 0:
+                return False, (f"rank {rank}, step {step}: no collective during backward, so "
+                               f"no rank can know the others' gradients")
+            if sent > fp32 / 2:
+                return False, (f"rank {rank}, step {step}: all-reduced {sent} bytes, more than "
+                               f"half of the fp32 gradients' {fp32} (compress before sending)")
+    sent = trace.bytes(rank=0, label=f"mine {_STEPS - 1}")
+    return True, f"{sent} bytes per step of {reports[0]['bucket_bytes'][-1]} in fp32"
+
+
+def _replicas(reports) -> tuple[bool, str]:
+    sums = reports[0]["sums"]
+    if len(set(sums)) != 1:
+        return False, f"parameter checksums differ across ranks after training: {sums}"
+    return True, "same parameters on every rank"
+
+
+def _trains(r) -> tuple[bool, str]:
+    ok = r["mine_loss"] < r["start"] and r["mine_loss"] <= 1.1 * r["ref_loss"] + 1e-4
+    detail = (f"held-out loss {r['start']:.4f} -> {r['mine_loss']:.4f} (uncompressed "
+              f"{r['ref_loss']:.4f})")
+    return ok, detail if ok else detail + ": it must fall, to within 10% of the uncompressed run"
+
+
+# ------------------------------------------------------------------ quiz keys
+def _row(table: dict, **match) -> dict:
+    if not isinstance(table, dict) or "rows" not in table:
+        raise ValueError("pass the notebook's measurement (run its cell first)")
+    for r in table["rows"]:
+        if all(r.get(k) == v for k, v in match.items()):
+            return r
+    raise ValueError(f"no row {match} in this measurement")
+
+
+def weak_speedup_2(scaling: dict) -> float:
+    """07.weak_speedup_2: the measured median weak-scaling speedup on 2 ranks."""
+    return _row(scaling, mode="weak", ranks=2)["speedup"]["median"]
+
+
+def strong_efficiency_4(scaling: dict) -> float:
+    """07.strong_efficiency_4: the measured median strong-scaling efficiency on 4 ranks."""
+    return _row(scaling, mode="strong", ranks=4)["efficiency"]["median"]
+
+
+def core_ceiling(machine_info: dict) -> float:
+    """07.core_ceiling: the best speedup of 4 compute-bound ranks on this machine's cores."""
+    return float(min(4, machine_info["cores"]))
+
+
+def fp16_bytes_per_step(hooks: dict) -> float:
+    """07.fp16_bytes: bytes per step rank 0 all-reduced with fp16_compress_hook (counted)."""
+    return float(_row(hooks, hook="fp16")["bytes_per_step"])
+
+
+def view_bytes_saved(knobs: dict) -> float:
+    """07.view_saving: bytes per parameter gradient_as_bucket_view=True saved (measured)."""
+    mem = knobs["memory"]
+    return mem[False]["bytes_per_param"] - mem[True]["bytes_per_param"]
+
+
+def unused_allreduces(knobs: dict) -> float:
+    """07.unused_allreduces: all-reduces per step with find_unused_parameters=True (counted)."""
+    return float(_row(knobs, setting="find_unused_parameters=True")["allreduces"])

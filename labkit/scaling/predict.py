@@ -1,0 +1,71 @@
+"""What a GPU cluster would show: a MODEL PREDICTION from the α–β model (notebook 07 §3, §4).
+
+Nothing here is measured. Data-parallel step time on N GPUs, per GPU a fixed batch (weak
+scaling, the usual way DDP jobs grow)::
+
+    compute  = 6 · params · tokens_per_gpu / (peak_flops · mfu)     (Kaplan et al. 2020: ~6
+                                                                     FLOPs per parameter and token)
+    backward = 2/3 of compute
+    allreduce = ring(N, S = grad_bytes_per_param · params)          (labkit.collectives.bandwidth)
+    exposed  = allreduce - overlap · backward, at least 0           (overlap in 0..1)
+    step     = compute + exposed;   efficiency = compute / step
+
+Link speeds are :data:`labkit.collectives.bandwidth.LINKS` (published: NVLink inside a node up
+to 8 GPUs, one InfiniBand NIC per GPU beyond); the GPU's peak and the MFU are assumptions
+(stated in every table). It ignores everything else that makes real jobs slower — stragglers,
+the data loader, the optimizer step, a last bucket that cannot overlap — which is the point of
+notebook 07's interview question.
+
+Example::
+
+    rows = lk.scaling.cluster_prediction(params=124e6, tokens_per_gpu=8192)
+    print(lk.scaling.cluster_table(rows))
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..collectives.bandwidth import LINKS, predict
+
+__all__ = ["GPU", "cluster_prediction", "cluster_table"]
+
+# Assumed accelerator: NVIDIA H100 SXM, dense bf16 tensor-core peak (NVIDIA H100 datasheet).
+GPU = {"name": "H100 SXM", "peak_flops": 989e12, "mfu": 0.4,
+       "source": "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16; MFU 40% assumed"}
+
+
+def cluster_prediction(params: float, tokens_per_gpu: int, gpus: Iterable[int] = (1, 8, 64, 256),
+                       grad_bytes_per_param: int = 4, overlap: float = 1.0,
+                       peak_flops: float = GPU["peak_flops"], mfu: float = GPU["mfu"]) -> list[dict]:
+    """MODEL PREDICTION of step time and scaling efficiency per GPU count (see module docstring).
+
+    ``overlap``: 1.0 = the all-reduce hides behind backward as far as backward lasts (the
+    best case DDP aims for), 0.0 = no overlap at all.
+    """
+    compute = 6 * params * tokens_per_gpu / (peak_flops * mfu)
+    out = []
+    for n in gpus:
+        if n == 1:
+            ar, link = 0.0, "none"
+        else:
+            spec = LINKS["nvlink" if n <= 8 else "infiniband"]
+            ar = predict(spec["alpha"], 1 / spec["bandwidth"], grad_bytes_per_param * params, n)
+            link = spec["name"]
+        exposed = max(0.0, ar - overlap * compute * 2 / 3)
+        step = compute + exposed
+        out.append(dict(gpus=n, compute_s=compute, allreduce_s=ar, exposed_s=exposed,
+                        step_s=step, efficiency=compute / step, speedup=n * compute / step,
+                        link=link))
+    return out
+
+
+def cluster_table(rows: list[dict], title: str = "") -> str:
+    lines = [f"MODEL PREDICTION (alpha-beta model, published link speeds, {GPU['source']}); "
+             f"not measured" + (f": {title}" if title else ""),
+             f"{'GPUs':>5} {'compute ms':>11} {'all-reduce ms':>14} {'exposed ms':>11} "
+             f"{'step ms':>8} {'speedup':>8} {'efficiency':>11}  link"]
+    for r in rows:
+        lines.append(f"{r['gpus']:>5} {r['compute_s'] * 1e3:>11.2f} {r['allreduce_s'] * 1e3:>14.2f}"
+                     f" {r['exposed_s'] * 1e3:>11.2f} {r['step_s'] * 1e3:>8.2f} "
+                     f"{r['speedup']:>8.1f} {r['efficiency']:>11.2f}  {r['link']}")
+    return "\n".join(lines)
