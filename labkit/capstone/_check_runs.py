@@ -92,7 +92,7 @@ def reference(work: Path) -> Reference:
     if key not in _REFERENCE:
         out = work / "reference"
         res = run_ranks(_reference_in_rank, 2, args=(ARGV + ["--out-dir", str(out)],),
-                        echo=False, timeout=60, deadline=180)
+                        backend="gloo", echo=False, timeout=60, deadline=180)   # CPU, like ENV
         r0, r1 = res.values
         saved = {s: {**r0["saved"][s], "rng": [r0["saved"][s]["rng"], r1["saved"][s]["rng"]]}
                  for s in r0["saved"]}
