@@ -9,11 +9,16 @@ Modules, one concept each (the script imports only torch, these, and
 * :mod:`.sharded_checkpoint` — model + optimizer + RNG with torch.distributed.checkpoint;
 * :mod:`.train_gpt` — the script: ``python -m labkit.capstone.train_gpt`` or under torchrun.
 
+Notebook 08 also reads the runs (:mod:`.runs`: per-step times, throughput, the sample) and
+grades the exercise (:mod:`.check`, with :mod:`.probes` running inside the learner's workers);
+those are the lab's, not part of the project a learner copies.
+
 Nothing is imported until used (``lk.capstone.train_gpt`` imports torch).
 """
 import importlib as _importlib
 
-_MODULES = ("data", "model", "evaluate", "sharded_checkpoint", "train_gpt")
+_MODULES = ("data", "model", "evaluate", "sharded_checkpoint", "train_gpt", "runs", "check",
+            "probes")
 __all__ = list(_MODULES)
 
 

@@ -11,9 +11,11 @@ ranks wrongly. Done right:
 1. rank ``r``'s ``k``-th window is window number ``r + k * world_size`` of the
    padded list; numbers ``>= n`` are the padding: they are evaluated (the
    collectives need it) but not counted;
-2. each rank sums ``loss x tokens`` and ``tokens`` over its real windows;
-3. :func:`all_reduce_sums` adds both over the ranks (the exercise);
-4. the mean is ``sum(loss x tokens) / sum(tokens)``.
+2. :func:`all_reduce_sums` (the exercise of notebook 08) gets this rank's
+   per-window losses and which of them are real, and returns the sum of the
+   real windows' losses and their number, both added over all ranks;
+3. the mean is ``sum / count`` (every window has ``block_size`` tokens, so
+   this is also the mean per token).
 
 Why it is *exactly* the one-process number: every forward pass has the same
 shape (the last batch is padded to full size), so each window's loss is
@@ -21,11 +23,14 @@ the same float32 as in one process; the sums are float64, and adding a few
 thousand float32 values of similar size in float64 rounds nothing, so the
 order (rank 0's part + rank 1's part, or all in a row) cannot change the
 result. ``tests/capstone/test_capstone_eval.py`` asserts ``==`` for 1, 2, 3 and 4 ranks.
+The training script passes its own ``all_reduce_sums`` to :func:`evaluate`
+(``reduce=``): that is the name ``train_gpt.py --pieces`` replaces.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,44 +62,55 @@ def rank_windows(n: int, rank: int, world_size: int) -> tuple[list[int], list[bo
     return indices, real
 
 
-def all_reduce_sums(loss_sum: float, tokens: int, device: torch.device) -> tuple[float, int]:
-    """Add ``loss_sum`` and ``tokens`` over all ranks (float64: exact here). One process: as is."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return loss_sum, tokens
-    both = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.SUM)
+def all_reduce_sums(window_losses: torch.Tensor, real: torch.Tensor,
+                    device: torch.device) -> tuple[float, int]:
+    """Sum of the real windows' losses and their number, over all ranks (float64: exact).
+
+    Args:
+        window_losses: this rank's evaluated windows' mean losses (float32, padding included).
+        real: bool, same length: False for the padding duplicates DistributedSampler added.
+        device: where the collective runs (the process group's device).
+
+    One process (no process group): this rank's own sum and count.
+    """
+    both = torch.stack([window_losses[real].double().sum(), real.sum().double()]).to(device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
     return both[0].item(), int(both[1].item())
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Dataset, batch_size: int, device: torch.device,
-             bf16: bool = False) -> EvalResult:
-    """Every rank: mean validation loss over all of ``data``, each window counted once."""
+             bf16: bool = False, reduce: Callable = all_reduce_sums) -> EvalResult:
+    """Every rank: mean validation loss over all of ``data``, each window counted once.
+
+    ``reduce(window_losses, real, device) -> (sum, count)`` adds the ranks' parts
+    (default :func:`all_reduce_sums`).
+    """
     rank, world = ((dist.get_rank(), dist.get_world_size())
                    if dist.is_available() and dist.is_initialized() else (0, 1))
     indices, real = rank_windows(len(data), rank, world)
     was_training = model.training
     model.eval()
-    loss_sum, tokens = 0.0, 0
+    losses = []
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     try:
         for start in range(0, len(indices), batch_size):
-            idx, keep = indices[start:start + batch_size], real[start:start + batch_size]
+            idx = indices[start:start + batch_size]
             fill = batch_size - len(idx)         # same shape every pass: same float32 per window
-            idx, keep = idx + idx[:1] * fill, keep + [False] * fill
-            x = torch.stack([data[i][0] for i in idx]).to(device)
-            y = torch.stack([data[i][1] for i in idx]).to(device)
+            x = torch.stack([data[i][0] for i in idx + idx[:1] * fill]).to(device)
+            y = torch.stack([data[i][1] for i in idx + idx[:1] * fill]).to(device)
             with amp:
                 logits, _ = model(x)
             per_window = F.cross_entropy(logits.float().transpose(1, 2), y,
                                          reduction="none").mean(dim=1)
-            mask = torch.tensor(keep, device=device)
-            loss_sum += (per_window[mask].double() * y.shape[1]).sum().item()
-            tokens += int(mask.sum().item()) * y.shape[1]
+            losses.append(per_window[:len(idx)].cpu())
     finally:
         model.train(was_training)
-    loss_sum, tokens = all_reduce_sums(loss_sum, tokens, device)
-    if tokens == 0:
+    window_losses = torch.cat(losses) if losses else torch.zeros(0)
+    loss_sum, windows = reduce(window_losses, torch.tensor(real, dtype=torch.bool), device)
+    if windows == 0:
         raise ValueError("no validation windows to evaluate: use more --corpus-bytes or a "
                          "smaller --block-size.")
-    return EvalResult(loss_sum / tokens, tokens // data[0][1].shape[0], tokens)
+    block = data[0][1].shape[0]
+    return EvalResult(loss_sum / windows, windows, windows * block)

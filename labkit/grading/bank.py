@@ -133,9 +133,12 @@ def load_bank(path: str | os.PathLike) -> Bank:
         q = _question(raw, bank, i)
         if q.id in bank.questions:
             raise BankError(f"question bank {path}: id {q.id!r} appears twice.")
-        if q.variable in variables:
-            raise BankError(f"question bank {path}: {q.id} and {variables[q.variable]} both use "
-                            f"variable {q.variable!r}; give each question its own variable.")
+        other = variables.get(q.variable)
+        if other is not None and not (q.kind == bank.questions[other].kind == "exercise"):
+            raise BankError(f"question bank {path}: {q.id} and {other} both use "
+                            f"variable {q.variable!r}; give each question its own variable "
+                            f"(only exercises may share one: rubric items graded on the same "
+                            f"function, like notebook 08's).")
         variables[q.variable] = q.id
         bank.questions[q.id] = q
     _cache[path] = (mtime, bank)

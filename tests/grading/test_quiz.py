@@ -73,6 +73,19 @@ def test_bank_rejects_ids_from_another_notebook_and_duplicates(tmp_path):
         load_bank(write_bank(tmp_path, "[[question]\n"))
 
 
+def test_exercises_may_share_their_function(tmp_path):
+    """Several rubric items graded on one function (notebook 08's capstone pieces); a quiz
+    answer may not share its variable, not even with an exercise."""
+    ex = Q.format(kind="exercise", extra='checker = "m:f"').replace("q_x", "fn")
+    bank = load_bank(write_bank(tmp_path, ex + ex.replace('"91.q"', '"91.r"')))
+    assert [q.variable for q in bank.questions.values()] == ["fn", "fn"]
+    assert bank.names == ["fn"] and bank.pickled == {"fn"}
+    quiz = Q.format(kind="numeric", extra="answer = 1").replace("q_x", "fn").replace('"91.q"',
+                                                                                     '"91.r"')
+    with pytest.raises(BankError, match="both use variable 'fn'"):
+        load_bank(write_bank(tmp_path, ex + quiz))
+
+
 def test_every_bank_in_the_repository_loads():
     banks = all_banks(ROOT / "quizzes")
     assert "00_setup" in banks

@@ -1,0 +1,422 @@
+"""The capstone grader (notebook 08): the learner's pieces, run in the real script under torchrun.
+
+The learner writes ``all_reduce_sums`` (the evaluation's all-reduce),
+``save_checkpoint`` and ``load_checkpoint`` (DCP), and ``capstone_pieces()``
+returning them by name. Each rubric item of ``quizzes/08_capstone.toml`` is one
+checker here with one named case; all four come from the same runs, made once
+per set of pieces (:mod:`._check_runs`) and reused:
+
+(a) ``08.trains``: ``train_gpt.py --pieces`` under ``torchrun
+    --nproc-per-node=2`` (FSDP2) logs every step with exactly the loss of the
+    checker's own run, and writes a whole checkpoint;
+(b) ``08.resumes``: rank 1 is SIGKILLed after step 4; torchrun restarts, the
+    run resumes from step 3 with the learner's load, every later loss and the
+    final parameters are bit-identical to the checker's uninterrupted run;
+(c) ``08.evaluates``: on every rank, the learner's reduction of that rank's
+    windows equals one process evaluating the same parameters (``==``);
+(d) ``08.reshards``: the learner's 2-rank checkpoint, loaded by the learner's
+    load on 1 rank (``--nproc-per-node=1``), holds bit for bit the model and
+    optimizer state of the checker's run at that step, and training goes on.
+
+Nothing the learner's code reports is trusted: the numbers come from the
+project's own script and from probes around the learner's functions
+(:mod:`.probes`), and are compared with the checker's own runs. A case the
+checker cannot verify fails and says why. Also here: the quiz keys.
+"""
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from ..common.checkpoints import problems
+from ..grading.exercise import Case, case
+from ..runtime.torchrun_log import Run
+from ..torchrun.runs import losses, resumes
+from . import _check_runs as R
+from .probes import read_evals, read_loads
+
+__all__ = ["ITEMS", "grade", "check_trains", "check_resumes", "check_evaluates",
+           "check_reshards", "pieces_of", "last_resume_step", "steps_done_twice",
+           "throughput_ratio"]
+
+ITEMS = {"a": "(a) trains under torchrun on 2 ranks",
+         "b": "(b) resumes bit-identically after a SIGKILL",
+         "c": "(c) distributed eval equals single-process eval",
+         "d": "(d) the checkpoint reshards 2 -> 1"}
+NAMES = ("all_reduce_sums", "save_checkpoint", "load_checkpoint")
+
+
+def pieces_of(fn) -> dict[str, Callable]:
+    """The learner's three functions from ``capstone_pieces()`` (AssertionError: why not)."""
+    assert callable(fn), f"capstone_pieces must be a function, got {type(fn).__name__}"
+    pieces = fn()
+    assert isinstance(pieces, dict) and set(pieces) == set(NAMES), (
+        f"capstone_pieces() must return a dict with exactly the keys {list(NAMES)}, got "
+        f"{sorted(pieces) if isinstance(pieces, dict) else type(pieces).__name__}")
+    for name, f in pieces.items():
+        assert callable(f), f"capstone_pieces()[{name!r}] is {type(f).__name__}, not a function"
+        module = getattr(f, "__module__", "") or ""
+        assert not module.startswith("labkit."), (
+            f"capstone_pieces()[{name!r}] is {module}.{getattr(f, '__qualname__', name)}, the "
+            f"project's own: write your own {name}")
+    return dict(pieces)
+
+
+def _is_stub(f) -> bool:
+    code = getattr(f, "__code__", None)
+    return code is not None and set(code.co_names) == {"NotImplementedError"}
+
+
+_CACHE: dict[str, dict[str, Case]] = {}
+
+
+def _digest(pieces: dict) -> str:
+    import cloudpickle
+
+    try:
+        return hashlib.sha256(cloudpickle.dumps(pieces)).hexdigest()
+    except Exception:  # noqa: BLE001  (an unpicklable answer is graded, and fails, below)
+        return repr(sorted((k, id(v)) for k, v in pieces.items()))
+
+
+def grade(fn, items: str = "abcd") -> dict[str, Case]:
+    """Run the capstone grader on ``capstone_pieces`` ``fn``: ``{item letter: Case}``.
+
+    ``items`` picks the rubric items (tests use fewer to save time): without
+    ``b`` nobody is killed; without ``d`` there is no 1-rank run.
+    """
+    try:
+        pieces = pieces_of(fn)
+    except AssertionError as exc:
+        return {i: Case(ITEMS[i], False, str(exc)) for i in items}
+    if all(_is_stub(f) for f in pieces.values()):
+        raise NotImplementedError("all_reduce_sums, save_checkpoint and load_checkpoint are "
+                                  "still stubs")
+    key = _digest(pieces)
+    hit = _CACHE.get(key, {})
+    if set(items) <= set(hit):
+        return {i: hit[i] for i in items}
+    with tempfile.TemporaryDirectory(prefix="labkit-capstone-check-") as tmp:
+        cases = _run_cases(pieces, Path(tmp), items)
+    if len(_CACHE) > 8:           # one set of pieces at a time in a notebook; a few in tests
+        _CACHE.clear()
+    _CACHE[key] = cases
+    return cases
+
+
+def _run_cases(pieces: dict, work: Path, items: str) -> dict[str, Case]:
+    import sys
+
+    from tqdm.auto import tqdm
+
+    # a bar that stays: the grading takes a minute, the notebook shows where it is
+    bar = tqdm(total=2 + ("d" in items), desc="capstone grader (reference, 2 ranks, 1 rank)",
+               unit="run", disable="ipykernel" not in sys.modules)
+    started = []
+
+    def start_one_rank() -> None:
+        if not problems(_ckpt(work / "two", R.FIRST_CKPT)):
+            started.append(R.start_reshard(pieces, work / "one", _ckpt(work / "two", R.FIRST_CKPT)))
+
+    try:
+        ref = R.reference(work)
+        bar.update()
+        first = R.learner_run(pieces, work / "two", kill="b" in items,
+                              on_kill=start_one_rank if "d" in items else None)
+        bar.update()
+        if "d" in items and not started:
+            start_one_rank()
+        one = R.finish(started[0]) if started else None
+        bar.update("d" in items)
+        cases = {}
+        if "a" in items:
+            cases["a"] = case(ITEMS["a"], lambda: _trains(first, ref))
+        if "b" in items:
+            cases["b"] = case(ITEMS["b"], lambda: _resumes(first, ref))
+        if "c" in items:
+            cases["c"] = case(ITEMS["c"], lambda: _evaluates(first, ref))
+        if "d" in items:
+            cases["d"] = case(ITEMS["d"], lambda: _reshards(first, one, ref))
+    finally:
+        for job, _ in started:
+            if job._result is None:
+                job.stop()
+        bar.close()
+    return {i: cases[i] for i in items}
+
+
+def _one(item: str) -> Callable:
+    def checker(fn) -> list[Case]:
+        return [grade(fn)[item]]
+    checker.__name__ = f"check_{item}"
+    checker.__doc__ = f"Bank checker of rubric item {ITEMS[item]} (all four share one grading run)."
+    return checker
+
+
+check_trains, check_resumes, check_evaluates, check_reshards = (_one(i) for i in "abcd")
+
+
+# ------------------------------------------------------------------ (a) trains
+def _ckpt(run: R.LearnerRun | Path, step: int) -> Path:
+    out = run.out if isinstance(run, R.LearnerRun) else run / "run"
+    return out / "checkpoints" / f"step_{step:08d}"
+
+
+def _why(run: R.LearnerRun, after: float = -1.0) -> str:
+    if run.stuck:
+        return f"the checker stopped it: {run.stuck}"
+    err = R.first_error(run.run, after)
+    return err or (run.run.tail(6) if run.run else "torchrun did not start")
+
+
+def _trains(first: R.LearnerRun, ref: R.Reference) -> str:
+    run = first.run
+    assert run is not None, f"torchrun did not start: {_why(first)}"
+    assert any("local_ranks=[0, 1]" in ln.text for ln in run.agent_lines()), (
+        f"torchrun never started its 2 workers: {_why(first)}")
+    logged = [(s, loss) for s, loss, a in losses(run) if a == 0]
+    for step, loss in logged:
+        assert loss == ref.losses[step], (
+            f"step {step}: rank 0 logged loss {loss:.6f}, the checker's own run {ref.losses[step]:.6f}:"
+            f" your pieces changed the training (a save_checkpoint that changes the model or "
+            f"draws random numbers?)")
+    need = R.KILL_AFTER if first.killed else R.STEPS
+    reached = max((s for s, _ in logged), default=0)
+    assert reached >= need, (f"the first attempt stopped after step {reached} of {need}: "
+                             f"{_why(first)}")
+    folder = _ckpt(first, R.FIRST_CKPT)
+    bad = problems(folder)
+    assert not bad, f"no whole checkpoint at step {R.FIRST_CKPT}: {'; '.join(bad)}"
+    if not first.killed:
+        assert run.ok, f"the run failed: {_why(first)}"
+    files = len(list(folder.iterdir())) - 1
+    return (f"2 workers (FSDP2), steps 1-{reached} with the checker's own losses, checkpoint at "
+            f"step {R.FIRST_CKPT} whole ({files} files)")
+
+
+# ------------------------------------------------------------------ (b) resumes
+def _difference(a, b, where: str = "") -> str:
+    """Where ``a`` (what the learner's load left) first differs from ``b`` (the saved state)."""
+    import torch
+
+    if isinstance(b, dict):
+        if not isinstance(a, dict):
+            return f"{where or 'it'} is {type(a).__name__}"
+        missing = [k for k in b if k not in a]
+        if missing:
+            return f"{where}[{missing[0]!r}] is missing" + (f" ({len(missing)} entries)"
+                                                           if len(missing) > 1 else "")
+        return next((d for k in b if (d := _difference(a[k], b[k], f"{where}[{k!r}]"))), "")
+    if isinstance(b, (list, tuple)):
+        if not isinstance(a, (list, tuple)) or len(a) != len(b):
+            return f"{where} has another length"
+        return next((d for i, (x, y) in enumerate(zip(a, b))
+                     if (d := _difference(x, y, f"{where}[{i}]"))), "")
+    if isinstance(b, torch.Tensor):
+        ok = isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype \
+            and torch.equal(a, b)
+        return "" if ok else f"{where} differs"
+    return "" if a == b else f"{where} is {a!r}, saved {b!r}"
+
+
+def _after_load(loads: list[dict], saved: dict | None, rng: bool) -> str:
+    """What the learner's load left wrong, compared with the state at the save ("" if nothing)."""
+    if saved is None:
+        return "the checker has no state for that step (a bug of the checker)"
+    if not loads:
+        return "load_checkpoint raised or never returned on some rank"
+    zero = next((r for r in loads if r["rank"] == 0), None)
+    wrong = []
+    if zero is not None:
+        if d := _difference(zero["model"], saved["model"], "model"):
+            wrong.append(f"the model's parameters are not the saved ones ({d})")
+        if d := _difference(zero["optim"], saved["optim"], "optimizer"):
+            wrong.append(f"the optimizer's state is not the saved one ({d}): save and load "
+                         f"Adam's moments and step counts too")
+    if rng:
+        import torch
+
+        for r in sorted(loads, key=lambda r: r["rank"]):
+            if not torch.equal(r["rng"], saved["rng"][r["rank"]]):
+                wrong.append(f"rank {r['rank']}'s RNG state is not the one at the save (its "
+                             f"dropout masks will differ): save each rank's "
+                             f"torch.get_rng_state() and restore it when restore_rng is True")
+                break
+    return "; ".join(wrong)
+
+
+def _resumes(first: R.LearnerRun, ref: R.Reference) -> str:
+    assert first.killed, (f"could not be verified: the run never got past step {R.KILL_AFTER}, "
+                          f"where rank 1 is SIGKILLed (see (a)): {_why(first)}")
+    run = first.run
+    starts = resumes(run)
+    restart = next((ln.t for ln in run.agent_lines() if "restart_count=1" in ln.text),
+                   first.killed_at + 2.0)
+    why = _why(first, restart)      # not the peers' errors that the kill itself caused
+    assert starts, f"after the SIGKILL the restarted workers did not resume: {why}"
+    start = starts[-1]
+    loads = [r for r in read_loads(first.probes) if r["attempt"] == 1]
+    wrong = _after_load(loads, ref.saved.get(start), rng=True)
+    hint = f" After your load_checkpoint, {wrong}." if wrong else ""
+    assert not first.stuck, f"{why}.{hint}"
+    later = [(s, loss) for s, loss, a in losses(run) if a == 1]
+    for step, loss in later:
+        assert loss == ref.losses[step], (
+            f"resumed from step {start}, step {step} logged loss {loss:.6f}; uninterrupted: "
+            f"{ref.losses[step]:.6f}.{hint or ' The state after the load is the saved one, so '}"
+            f"{'' if hint else 'something else changed.'}")
+    assert run.ok, f"the restarted attempt failed: {why}.{hint}"
+    assert later and later[-1][0] == R.STEPS, f"the run did not reach step {R.STEPS}"
+    import torch
+
+    final = torch.load(first.out / "final.pt", weights_only=True)
+    assert not (d := _difference(final, ref.final, "final")), (
+        f"the final parameters are not bit-identical to the uninterrupted run ({d}).{hint}")
+    assert not wrong, f"every loss matched, but after your load_checkpoint, {wrong}"
+    return (f"SIGKILL after step {R.KILL_AFTER}, resumed from step {start}: steps "
+            f"{start + 1}-{R.STEPS} and all {len(final)} parameter tensors bit-identical to the "
+            f"checker's uninterrupted run")
+
+
+# ------------------------------------------------------------------ (c) evaluates
+def _oracle(model_state: dict) -> tuple[list[float], float, int]:
+    """One process, the same parameters: each window's loss, the mean, the number of windows."""
+    import torch
+
+    from . import train_gpt as G
+    from .evaluate import all_reduce_sums, evaluate
+    from .model import GPTConfig, make_gpt
+
+    cfg = G.parse_args(R.ARGV)
+    model = make_gpt(GPTConfig(cfg.block_size, 256, cfg.n_layer, cfg.n_head, cfg.n_embd,
+                               cfg.dropout))
+    model.load_state_dict(model_state)
+    _, val, _ = G._data(cfg)
+    seen = []
+
+    def capture(window_losses, real, device):
+        seen.extend(window_losses.tolist())
+        return all_reduce_sums(window_losses, real, device)
+    result = evaluate(model, val, cfg.eval_batch, torch.device("cpu"), reduce=capture)
+    return seen, result.loss, result.windows
+
+
+def _judge(records: list[dict], oracle: list[float], want: float, n: int, when: str) -> str:
+    """Compare every rank's recorded result with the one-process number; "" or what is wrong."""
+    from .evaluate import rank_windows
+
+    world = records[0]["world"]
+    for rec in records:
+        idx, _ = rank_windows(n, rec["rank"], world)
+        assert rec["losses"] == [oracle[i] for i in idx], (
+            f"could not be verified: at {when} the script gave rank {rec['rank']} other window "
+            f"losses than one process computes for the same parameters (training differed: "
+            f"see (a))")
+    def right(r: dict) -> bool:
+        out = r["out"]
+        return isinstance(out, list) and out[1] == n and out[0] / out[1] == want
+
+    wrong = [r for r in records if not right(r)]
+    if not wrong:
+        return ""
+    bad = wrong[0]
+    got = bad["out"]
+    if not isinstance(got, list):
+        return f"rank {bad['rank']}'s all_reduce_sums returned {got}, not (sum, count)"
+    mine = [(sum(x for x, k in zip(r["losses"], r["real"]) if k), sum(r["real"])) for r in records]
+    mean = got[0] / got[1] if got[1] else float("nan")
+    head = (f"at {when}, rank {bad['rank']} got val loss {mean!r} from ({got[0]!r}, {got[1]}); "
+            f"one process: {want!r} over {n} windows")
+    padded = sum(len(r["real"]) for r in records)
+    if all(isinstance(r["out"], list) and abs(r["out"][0] - s) < 1e-12 and r["out"][1] == c
+           for r, (s, c) in zip(records, mine)):
+        return (f"{head}. Each rank returned its own windows only: add the sums over the ranks "
+                f"(dist.all_reduce)")
+    if got[1] == padded and n != padded:
+        return (f"{head}. {padded} windows were counted, {padded - n} of them DistributedSampler's "
+                f"padding duplicates: count only the windows where real is True")
+    means = [s / c for s, c in mine]
+    if abs(mean - sum(means) / len(means)) < 1e-12:
+        return (f"{head}. That is the average of each rank's mean: ranks with fewer real windows "
+                f"weigh too much. Add sums and counts, then divide once")
+    if abs(mean - want) <= 1e-6 * abs(want):
+        return (f"{head}. Close, not equal: add in float64 (a float32 sum rounds); one process "
+                f"and N ranks then give the same bits")
+    return f"{head}. Return (sum of the real windows' losses, their number), each added over all ranks"
+
+
+def _evaluates(first: R.LearnerRun, ref: R.Reference) -> str:
+    evals = read_evals(first.probes)
+    at3 = [e for e in evals if e["attempt"] == 0 and e["index"] == 0]
+    assert len(at3) == 2, (f"could not be verified: no evaluation at step {R.EVAL_EVERY} on "
+                           f"both ranks ({len(at3)} recorded): {_why(first)}")
+    oracle, want, n = _oracle(ref.saved[R.EVAL_EVERY]["model"])
+    wrong = _judge(at3, oracle, want, n, f"step {R.EVAL_EVERY}")
+    assert not wrong, wrong
+    detail = f"step {R.EVAL_EVERY}: val loss {want:.6f} over {n} windows on both ranks, == one process"
+    run = first.run
+    if run is not None and run.ok and (first.out / "final.pt").exists():
+        import torch
+
+        last = max(e["attempt"] for e in evals)
+        ends = [max((e for e in evals if e["attempt"] == last and e["rank"] == r),
+                    key=lambda e: e["index"]) for r in (0, 1)]
+        oracle, want, n = _oracle(torch.load(first.out / "final.pt", weights_only=True))
+        wrong = _judge(ends, oracle, want, n, f"step {R.STEPS} (the end)")
+        assert not wrong, wrong
+        detail += f"; step {R.STEPS}: {want:.6f}, =="
+    return detail
+
+
+# ------------------------------------------------------------------ (d) reshards
+def _reshards(first: R.LearnerRun, one: R.LearnerRun | None, ref: R.Reference) -> str:
+    bad = problems(_ckpt(first, R.FIRST_CKPT))
+    assert one is not None and not bad, (
+        f"could not be verified: no whole checkpoint written by 2 ranks at step "
+        f"{R.FIRST_CKPT} to reshard (see (a)): {'; '.join(bad) or _why(first)}")
+    loads = read_loads(one.probes)
+    text = "\n".join(one.run.rank_lines()) if one.run else ""
+    assert loads, f"load_checkpoint on 1 rank failed: {_why(one)}"
+    assert "resharded 2 -> 1" in text, "the 1-rank run did not resume from the 2-rank checkpoint"
+    wrong = _after_load(loads, ref.saved[R.FIRST_CKPT], rng=False)
+    assert not wrong, (f"saved by 2 FSDP ranks, loaded on 1: {wrong}. (A file per rank that "
+                       f"holds its own shard loads only on the same world size: save with "
+                       f"torch.distributed.checkpoint, dcp.save of get_state_dict(model, "
+                       f"optimizer), and load with dcp.load into the state dict of the model and "
+                       f"optimizer as they are now, then set_state_dict)")
+    assert one.run.ok and f"done: {R.STEPS} steps on 1 rank(s)" in text, (
+        f"it loaded exactly, then failed: {_why(one)}")
+    return (f"saved by 2 FSDP ranks at step {R.FIRST_CKPT}, loaded on 1: every parameter and "
+            f"Adam's state bit for bit the checker's; trained on to step {R.STEPS}")
+
+
+# ------------------------------------------------------------------ quiz keys (notebook 08)
+def _run_of(run) -> Run:
+    if not isinstance(run, Run):
+        raise ValueError("`run` is not a torchrun Run: run the launch-and-kill cells first")
+    return run
+
+
+def last_resume_step(run) -> int:
+    """Quiz key (08.resume_step): the step the restarted attempt of ``run`` resumed from."""
+    starts = resumes(_run_of(run))
+    if not starts:
+        raise ValueError("`run` has no resumed attempt: run the launch-and-kill cells first")
+    return starts[-1]
+
+
+def steps_done_twice(run) -> int:
+    """Quiz key (08.steps_twice): how many steps ``run`` logged in more than one attempt."""
+    attempts: dict[int, set] = {}
+    for step, _, attempt in losses(_run_of(run)):
+        attempts.setdefault(step, set()).add(attempt)
+    return sum(len(a) > 1 for a in attempts.values())
+
+
+def throughput_ratio(run, resharded) -> float:
+    """Quiz key (08.speedup): median tokens/s of ``run`` (2 ranks) / of ``resharded`` (1 rank)."""
+    from .runs import throughput
+
+    return throughput(_run_of(run)).median / throughput(_run_of(resharded)).median
