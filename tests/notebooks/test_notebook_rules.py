@@ -142,6 +142,25 @@ def test_the_core_path_through_00_to_05_takes_about_75_minutes():
         f"the core path takes {total} min ({per_notebook}); the seed lesson is 75")
 
 
+def route_row(path: Path) -> str:
+    """The README's row for one notebook in "Two routes": each route's minutes and sections."""
+    cells = []
+    for route in ("core", "deep dive"):
+        secs = [x for x in sections(path)[1:] if x["route"] == route]
+        titles = (re.sub(r"^(\d+) · ", r"§\1 ", TAG.sub("", x["title"]).strip()) for x in secs)
+        cells.append(f"**{sum(x['minutes'] for x in secs)} min**: "
+                     + ", ".join(f"{t} ({x['minutes']})" for t, x in zip(titles, secs)))
+    return f"| {path.stem} | {cells[0]} | {cells[1]} |"
+
+
+def test_the_readme_route_table_is_the_notebooks_own():
+    readme = (ROOT / "README.md").read_text()
+    stale = [route_row(p) for p in SOLVED if route_row(p) not in readme]
+    assert not stale, "README.md, “Two routes”: replace the notebook's row by\n" + "\n".join(stale)
+    core = sum(s["minutes"] for p in SEED for s in sections(p) if s["route"] == "core")
+    assert f"takes about **{core} minutes**" in readme
+
+
 def bound_and_used(source: str) -> tuple[set[str], set[str]]:
     """Names a code cell binds at top level (assignments, defs, imports, loop targets) and the
     global names it reads anywhere, function bodies and comprehensions included (``symtable``:
