@@ -153,6 +153,24 @@ def route_row(path: Path) -> str:
     return f"| {path.stem} | {cells[0]} | {cells[1]} |"
 
 
+@pytest.mark.parametrize("path", SOLVED, ids=[p.stem for p in SOLVED])
+def test_the_notebooks_route_paragraph_states_its_own_minutes(path):
+    """The introduction's "Route." paragraph says how long each route takes: the tags' sums."""
+    intro = nbformat.read(path, as_version=4).cells[0].source
+    para = next((p for p in intro.split("\n\n") if "route.**" in p.lower()), None)
+    assert para, f"{path.name}: the first cell needs a **Route.** (or **Your route.**) paragraph"
+    para = " ".join(para.split())
+    minutes = {r: sum(s["minutes"] for s in sections(path)[1:] if s["route"] == r)
+               for r in ("core", "deep dive")}
+    core = re.search(r"core path.*? takes about (\d+) minutes", para)
+    deep = re.search(r"deep dives.*? about (\d+) more", para)
+    assert core and deep, f"{path.name}: say “the core path … takes about N minutes; the deep dives … about M more”"
+    assert (int(core.group(1)), int(deep.group(1))) == (minutes["core"], minutes["deep dive"]), (
+        f"{path.name}: its sections' tags add up to {minutes['core']} core and "
+        f"{minutes['deep dive']} deep-dive minutes; the Route paragraph says {core.group(1)} and "
+        f"{deep.group(1)}")
+
+
 def test_the_readme_route_table_is_the_notebooks_own():
     readme = (ROOT / "README.md").read_text()
     stale = [route_row(p) for p in SOLVED if route_row(p) not in readme]
