@@ -170,13 +170,29 @@ def pytest_collection_modifyitems(config, items):
     when the browser test is not collected, nbval runs them as usual."""
     browsed = {m.group(1) for item in items
                if (m := re.search(r"test_notebook_in_jupyterlab\[(.+)\]$", item.nodeid))}
-    if not browsed or not _browser_available():
-        return
-    twice = [item for item in items if item.nodeid.startswith("notebooks/")
-             and Path(str(item.fspath)).stem in browsed]
-    if twice:
-        config.hook.pytest_deselected(items=twice)
-        items[:] = [item for item in items if item not in twice]
+    if browsed and _browser_available():
+        twice = [item for item in items if item.nodeid.startswith("notebooks/")
+                 and Path(str(item.fspath)).stem in browsed]
+        if twice:
+            config.hook.pytest_deselected(items=twice)
+            items[:] = [item for item in items if item not in twice]
+    items.sort(key=_long_ones_first)
+
+
+# The files that take longest (the last full run's --durations), in that order. xdist's
+# --dist loadfile hands out files in collection order: a long file collected late leaves one
+# worker running it alone at the end (the browser test did: 8 of 22 minutes). Longest first
+# keeps both workers busy to the end. Only the order changes, never what runs.
+LONG_FIRST = ("tests/notebooks/test_browser.py", "tests/capstone/test_capstone_check.py",
+              "solutions/08_capstone.ipynb", "solutions/05_torchrun.ipynb",
+              "tests/grading/test_grade.py", "solutions/04_pitfalls.ipynb",
+              "tests/capstone/test_capstone_torchrun.py", "tests/torchrun/test_torchrun.py",
+              "tests/claims/test_claims_torchrun.py")
+
+
+def _long_ones_first(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
 
 
 def _browser_available() -> bool:
