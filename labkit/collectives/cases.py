@@ -4,8 +4,10 @@
 the answer and ``dist.all_reduce`` on each, in every rank, and reports one row per case. The
 verdicts over all ranks are :mod:`labkit.collectives.check`'s.
 
-Integer-valued inputs (1..50: never zero, so a missing contribution always shows) make the
-expected sums exact whatever order a ring adds them in; ``"random floats"`` is compared with
+Integer-valued inputs (1..10⁶: never zero, so a missing contribution always shows; wide, so
+an answer that guesses cannot hit the sum by chance — with 1..50 a one-element case was right
+for a guessing answer in about 1 run in 35) make the expected sums exact whatever order a ring
+adds them in (4 ranks sum below 2²⁴, float32's exact integers); ``"random floats"`` is compared with
 a tolerance. The reference ``dist.all_reduce`` runs only after the answer has returned, and in
 the exercise each rank draws its inputs from a secret only it holds: no rank can know another
 rank's tensor without receiving it.
@@ -49,7 +51,7 @@ def case_tensor(name: str, rank: int, world_size: int, device: Any = "cpu", salt
     if view == "random":
         t = torch.randn(shape, generator=g, dtype=getattr(torch, dtype)) * 10
     else:
-        t = torch.randint(1, 51, shape, generator=g).to(getattr(torch, dtype))
+        t = torch.randint(1, 1_000_001, shape, generator=g).to(getattr(torch, dtype))
     if view == "transpose":
         t = t.t()                                    # shape (3, 5), not contiguous
     return t.to(device)
