@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -239,8 +240,10 @@ def _dom_problems(panel) -> list[str]:
     return [f"widget failed to render: {t}" for t in dict.fromkeys(text)]
 
 
-def _screens(page, panel, shots: Path, most: int = 25) -> None:
-    """The whole notebook, one viewport at a time, top to bottom."""
+def _screens(page, panel, shots: Path) -> None:
+    """The notebook one viewport at a time, top to bottom: the first page only, unless
+    ``LABKIT_BROWSER_PAGES=N`` asks for up to N (a full tour costs ~15 s per notebook)."""
+    most = int(os.environ.get("LABKIT_BROWSER_PAGES", "1"))
     scroller = panel.locator(".jp-WindowedPanel-outer").first
     height = scroller.evaluate("e => [e.scrollHeight, e.clientHeight]")
     for k in range(min(most, max(1, -(-height[0] // height[1])))):
