@@ -1,6 +1,7 @@
 """The pytest plugin grades every lesson notebook in nbval's own kernel: it must be able to fail."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -25,7 +26,8 @@ def _pytest(path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "--nbval-lax", "--nbval-current-env", "-p", "labkit.grading.pytest_plugin",
                            "--rootdir", str(path), str(path)],
-                          capture_output=True, text=True, timeout=150, cwd=path)
+                          capture_output=True, text=True, timeout=150, cwd=path,
+                          env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"})
 
 
 def test_a_solved_notebook_short_of_full_marks_fails_its_grade_item(tmp_path):
