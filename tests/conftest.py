@@ -18,7 +18,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-import labkit as lk
 
 
 def lab_processes() -> tuple[list[psutil.Process], list[psutil.Process]]:

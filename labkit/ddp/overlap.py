@@ -49,7 +49,8 @@ def _overlap_rank(rank: int, world_size: int, caps, width: int, depth: int, batc
         for _ in range(steps):
             dist.barrier()
             tl = Timeline(rank, cuda_sync=dev.type == "cuda")
-            ddp = BucketedDDP(model, bucket_cap_mb=cap, timeline=tl) if not times else ddp
+            if not times:                       # one wrapper per cap, a fresh timeline per step
+                ddp = BucketedDDP(model, bucket_cap_mb=cap, timeline=tl)
             ddp.timeline = tl
             model.zero_grad()
             with tl.span("forward"):

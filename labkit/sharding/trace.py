@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 

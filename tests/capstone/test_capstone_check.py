@@ -8,7 +8,6 @@ loaded) and the five gradings run at the same time (the machine mostly waits on 
 """
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import cloudpickle

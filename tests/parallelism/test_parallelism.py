@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import labkit as lk
 from labkit import parallelism as P

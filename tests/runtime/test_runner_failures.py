@@ -50,7 +50,6 @@ def kills_itself(rank, world_size):
 
 
 def sleeps_instead(rank, world_size):
-    import time
 
     import torch
     import torch.distributed as dist

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import labkit as lk
-from conftest import assert_no_ranks_left, lab_processes, live_ranks, needs_gpus
+from conftest import live_ranks, needs_gpus
 
 pytestmark = pytest.mark.timeout(120)
 
