@@ -19,7 +19,6 @@ import psutil
 import pytest
 
 
-
 def lab_processes() -> tuple[list[psutil.Process], list[psutil.Process]]:
     """(zygotes, ranks) of this process: zygotes are children, ranks grandchildren."""
     zygotes, ranks = [], []
@@ -166,7 +165,8 @@ os.environ.setdefault("LABKIT_PRESTART", "0")
 def pytest_collection_modifyitems(config, items):
     """Each student notebook executes once: where the browser test runs it in JupyterLab (and
     grades its kernel), nbval does not run ``notebooks/NN.ipynb`` again. Without a browser, or
-    when the browser test is not collected, nbval runs them as usual."""
+    when the browser test is not collected, nbval runs them as usual. Then the longest files
+    go first (:data:`LONG_FIRST`)."""
     browsed = {m.group(1) for item in items
                if (m := re.search(r"test_notebook_in_jupyterlab\[(.+)\]$", item.nodeid))}
     if browsed and _browser_available():
