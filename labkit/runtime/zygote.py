@@ -57,10 +57,9 @@ def zygote_main(fd: int) -> None:
         ready, _, _ = select.select([ctrl, wake_r], [], [], idle_s if preloaded else 0.25)
         if not ready and not preloaded:
             # First idle moment: preload torch._dynamo, which DistributedDataParallel and the
-            # first torch.optim step import (~1 s of CPU in every fresh rank otherwise). Not
-            # before "hello": a job asked for at once should not wait for it.
-            import torch._dynamo  # noqa: F401
-            preloaded = True
+            # first torch.optim step import (~2 s of CPU in every fresh rank otherwise). Not
+            # before "hello": the kernel may still be busy importing.
+            preloaded = _preload_dynamo()
             continue
         if not ready and not children:
             break  # idle: the kernel starts a new zygote when it needs one
@@ -74,6 +73,11 @@ def zygote_main(fd: int) -> None:
             break
         msg = pickle.loads(data)
         if msg[0] == FORK:
+            # A job asked for before the first idle moment (Run All, a script): import
+            # torch._dynamo here once rather than in each of its ranks at once (on 2 cores,
+            # 4 ranks' first DDP step took 7 s that way, 4 s this way; a job that never
+            # needs it waits ~2 s, which the first idle moment would spend anyway).
+            preloaded = preloaded or _preload_dynamo()
             conns, pids = _fork_ranks(msg[1], ctrl, wake_r, wake_w)
             children.update(pids)
             _send(ctrl, (FORKED, pids), [c.fileno() for c in conns])
@@ -83,6 +87,11 @@ def zygote_main(fd: int) -> None:
             break
     signal_all(children, signal.SIGKILL)
     os._exit(0)
+
+
+def _preload_dynamo() -> bool:
+    import torch._dynamo  # noqa: F401
+    return True
 
 
 def _probe_gpus() -> int:
