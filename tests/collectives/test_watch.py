@@ -9,7 +9,6 @@ payload)."
 from __future__ import annotations
 
 import datetime
-import itertools
 import os
 import tempfile
 
@@ -20,15 +19,25 @@ import torch.distributed as dist
 import labkit as lk
 from labkit.collectives import watch
 
-_STORES = itertools.count()
-
 
 def _own_gloo_group(t):
-    """A ProcessGroupGloo of the answer's own, on a FileStore: no torch.distributed API at all."""
+    """A ProcessGroupGloo of the answer's own, on a FileStore: no torch.distributed API at all.
+
+    Every call needs a store file no earlier call used (a file a killed job left behind holds
+    stale keys, and the new group then waits for ranks that are gone): named after the ranks'
+    launcher (pid and start time: unique on this machine), their pool (its port) and a count
+    of calls each rank keeps across jobs.
+    """
+    import psutil
     import torch._C._distributed_c10d as c10d
     rank, n = dist.get_rank(), dist.get_world_size()
-    path = os.path.join(tempfile.gettempdir(), f"labkit-fs-{os.getppid()}-{next(_STORES)}")
-    pg = c10d.ProcessGroupGloo(dist.FileStore(path, n), rank, n, datetime.timedelta(seconds=20))
+    calls = int(os.environ.get("LABKIT_TEST_FILESTORES", "0"))
+    os.environ["LABKIT_TEST_FILESTORES"] = str(calls + 1)
+    launcher = psutil.Process(os.getppid())
+    name = (f"labkit-fs-{launcher.pid}-{launcher.create_time():.2f}-"
+            f"{os.environ['MASTER_PORT']}-{calls}")
+    pg = c10d.ProcessGroupGloo(dist.FileStore(os.path.join(tempfile.gettempdir(), name), n),
+                               rank, n, datetime.timedelta(seconds=20))
     pg.allreduce([t]).wait()
 
 
