@@ -18,6 +18,7 @@ being logged (a deadlocked collective), or for :data:`IDLE_S` seconds otherwise
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 import shutil
 import sys
@@ -32,7 +33,7 @@ from ..torchrun.train import parse_log
 from . import probes
 
 __all__ = ["ARGV", "SCRIPT", "KILL_AFTER", "Reference", "reference", "LearnerRun", "learner_run",
-           "start_reshard", "finish", "ship", "first_error"]
+           "start_reshard", "finish", "digest", "ship", "first_error"]
 
 SCRIPT = "labkit.capstone.train_gpt"
 # 3000 bytes of text: 84 training windows, 9 validation windows (2 ranks pad one duplicate).
@@ -104,27 +105,39 @@ def reference(work: Path) -> Reference:
 
 
 # ------------------------------------------------------------------ the learner's runs
-def ship(pieces: dict, probe_dir: Path, path: Path) -> Path:
-    """Write the ``--pieces`` file: the learner's functions (by value), eval and load probed."""
+def _by_value(pieces: dict, obj) -> bytes:
+    """``obj`` pickled with the learner's own modules (e.g. a test's answers module) by value."""
     import cloudpickle
 
+    modules = {getattr(f, "__module__", None) for f in pieces.values()}
+    local = [sys.modules[m] for m in modules if m in sys.modules and m != "__main__"
+             and not m.startswith("labkit") and "site-packages" not in
+             (getattr(sys.modules[m], "__file__", "") or "")]
+    # cloudpickle's by-value registry is global: one pickling at a time, or a grading in
+    # another thread would pickle by value what this one pickles by reference
+    with _SHIPPING:
+        for mod in local:
+            cloudpickle.register_pickle_by_value(mod)
+        try:
+            return cloudpickle.dumps(obj)
+        finally:
+            for mod in local:
+                cloudpickle.unregister_pickle_by_value(mod)
+
+
+def digest(pieces: dict) -> str:
+    """What identifies a set of pieces: the hash of their code and data, pickled by value."""
+    return hashlib.sha256(_by_value(pieces, pieces)).hexdigest()
+
+
+def ship(pieces: dict, probe_dir: Path, path: Path) -> Path:
+    """Write the ``--pieces`` file: the learner's functions (by value), eval and load probed."""
     shipped = {"all_reduce_sums": functools.partial(probes.reduce_probe,
                                                     pieces["all_reduce_sums"], str(probe_dir)),
                "save_checkpoint": pieces["save_checkpoint"],
                "load_checkpoint": functools.partial(probes.load_probe,
                                                     pieces["load_checkpoint"], str(probe_dir))}
-    modules = {getattr(f, "__module__", None) for f in pieces.values()}
-    local = [sys.modules[m] for m in modules if m in sys.modules and m != "__main__"
-             and not m.startswith("labkit") and "site-packages" not in
-             (getattr(sys.modules[m], "__file__", "") or "")]   # e.g. a test's answers module
-    with _SHIPPING:              # cloudpickle's by-value registry is global: one at a time
-        for mod in local:
-            cloudpickle.register_pickle_by_value(mod)
-        try:
-            path.write_bytes(cloudpickle.dumps(shipped))
-        finally:
-            for mod in local:
-                cloudpickle.unregister_pickle_by_value(mod)
+    path.write_bytes(_by_value(pieces, shipped))
     return path
 
 
