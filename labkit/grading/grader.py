@@ -27,6 +27,9 @@ For each submission the grader
    that prints "100/100" or edits its check cells gains nothing. Each exercise
    check has its own time limit (``--check-timeout``).
 
+``--jobs N`` grades N submissions at once (a class folder on a machine with cores to
+spare); the report and the gradebook keep the submissions' order.
+
 Outputs: a readable report on stdout (``--report FILE`` too), per-question
 points and feedback as JSON (``--json``), and for a folder a CSV gradebook.
 Exit status: 0 when every submission was graded, 1 when some could not be,
@@ -52,6 +55,7 @@ import re
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -261,14 +265,19 @@ def submissions_in(target: Path) -> list[Path]:
 
 
 def grade_paths(paths: list[str | os.PathLike], opts: Options | None = None,
-                progress=None) -> list[dict]:
-    """Grade every submission in ``paths`` (files or folders), one after another."""
+                progress=None, jobs: int = 1) -> list[dict]:
+    """Grade every submission in ``paths`` (files or folders), ``jobs`` at a time.
+
+    Each submission has its own kernel and checker process either way; results (and
+    ``progress`` calls) come in submission order.
+    """
+    subs = [sub for target in map(Path, paths) for sub in submissions_in(target)]
     results = []
-    for target in map(Path, paths):
-        for sub in submissions_in(target):
-            results.append(grade_notebook(sub, opts))
+    with ThreadPoolExecutor(max(1, min(jobs, len(subs) or 1))) as pool:
+        for result in pool.map(lambda sub: grade_notebook(sub, opts), subs):
+            results.append(result)
             if progress:
-                progress(results[-1])
+                progress(result)
     return results
 
 
@@ -332,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             report.write(text + "\n")
 
     try:
-        results = grade_paths(args.paths, opts, progress=show)
+        results = grade_paths(args.paths, opts, progress=show, jobs=args.jobs)
     finally:
         if report:
             report.close()
@@ -371,7 +380,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds per exercise check")
     p.add_argument("--max-restarts", type=int, default=d.max_restarts,
                    help="re-runs after a cell kills the kernel")
+    p.add_argument("--jobs", type=_positive, default=1,
+                   help="submissions graded at once, each in its own kernel and checker "
+                        "process (default 1; with more jobs than cores, cells and checks "
+                        "run slower and reach their time limits sooner)")
     return p
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return int(text)
 
 
 if __name__ == "__main__":

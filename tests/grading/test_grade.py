@@ -110,7 +110,7 @@ def ordinary(tmp_path_factory):
                                             'check("90.single", "a")'}, insert=[FAKE], at=3))
     write(folder, "deadlock.ipynb", variant({"    import torch\n": DEADLOCK_ON_THREE},
                                             insert=[DEADLOCK], checks=False))
-    return run_grader(folder, tmp, "--cell-timeout", "60")
+    return run_grader(folder, tmp, "--cell-timeout", "60", "--jobs", "2")
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,8 @@ def hostile(tmp_path_factory):
     (folder / "truncated.ipynb").write_bytes(SOLVED.read_bytes()[:700])
     (folder / "not_a_notebook.ipynb").write_text('{"hello": "world"}')
     (folder / "binary.ipynb").write_bytes(bytes(range(256)))
-    return run_grader(folder, tmp, "--cell-timeout", "3", "--csv", str(tmp / "book.csv")) + (tmp,)
+    return run_grader(folder, tmp, "--cell-timeout", "3", "--csv", str(tmp / "book.csv"),
+                      "--jobs", "2") + (tmp,)
 
 
 # --------------------------------------------------------------- ordinary
@@ -195,6 +196,11 @@ def test_report_and_gradebook_for_a_folder(ordinary):
     rows = {Path(r["submission"]).name: r for r in csv.DictReader(open(folder / "gradebook.csv"))}
     assert rows["partial.ipynb"]["points"] == "4" and rows["partial.ipynb"]["90.exercise"] == "1"
     assert rows["solved.ipynb"]["points"] == "8"
+    # graded two at a time (--jobs 2), reported in the submissions' order
+    names = sorted(p.name for p in folder.glob("*.ipynb"))
+    assert list(rows) == list(results) == names
+    assert [proc.stdout.index(f"== {folder / n}") for n in names] == sorted(
+        proc.stdout.index(f"== {folder / n}") for n in names)
 
 
 # ---------------------------------------------------------------- hostile
@@ -354,6 +360,9 @@ def test_cli_usage_errors(tmp_path):
     nobanks = subprocess.run(cmd + [str(SOLVED), "--bank-dir", str(tmp_path / "none")],
                              capture_output=True, text=True)
     assert nobanks.returncode == 2 and "no question banks" in nobanks.stderr
+    for jobs in ("0", "two"):
+        bad = subprocess.run(cmd + [str(SOLVED), "--jobs", jobs], capture_output=True, text=True)
+        assert bad.returncode == 2 and "--jobs: must be a whole number of at least 1" in bad.stderr
 
 
 # The lab's own notebooks are graded in the same run as nbval executes them (one execution,
