@@ -1,7 +1,7 @@
 """JupyterLab in a headless browser, the page side: run a notebook through the UI and check it.
 
-:func:`check_notebook` opens one notebook of a running :class:`browser_helpers.Lab` in a fresh
-browser context, runs Run > Run All Cells, saves, and returns a :class:`Report` whose
+:func:`check_notebook` opens one notebook of a running :class:`browser_helpers.Lab` (in a page
+of :func:`new_page` that serves one notebook after another), runs Run > Run All Cells, saves, and returns a :class:`Report` whose
 ``problems`` name the cell and what went wrong. It clicks what a learner clicks: the quiz forms
 (``labkit-quiz``: a wrong answer, then the bank's right one) and the ring player (▶ and Play).
 Screenshots go to ``artifacts/browser/<notebook>/``.
@@ -44,24 +44,34 @@ class Report:
                 f"images {self.images}; slowest cells: {slow}; problems: {len(self.problems)}")
 
 
+def new_page(browser):
+    """A browser page for :func:`check_notebook`; one page can serve many notebooks."""
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    page.set_default_timeout(30_000)
+    return page
+
+
 def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool = False,
-                   grade: bool = False) -> Report:
+                   grade: bool = False, page=None) -> Report:
     """Open ``rel`` in JupyterLab, run every cell through the UI, check what rendered.
 
     ``as_readme``: open it the way the README's command does (the server's open-file page).
     ``grade``: then grade its live kernel as the grader would (an untouched student
     notebook must score zero, cleanly: :meth:`browser_helpers.Lab.grade_live`).
+    ``page`` (from :func:`new_page`): a page that may already show JupyterLab; the notebook
+    then opens in it the way a learner opens the next one (File > Open from Path...) and its
+    tab is closed at the end. Without one, a fresh browser context loads JupyterLab.
     """
     rep = Report(rel)
     shots = ARTIFACTS / Path(rel).stem
     shots.mkdir(parents=True, exist_ok=True)
     for old in shots.glob("*.png"):
         old.unlink()
-    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = ctx.new_page()
-    page.set_default_timeout(30_000)
+    own = page is None
+    page = new_page(browser) if own else page
     page_errors: list[str] = []
-    page.on("pageerror", lambda e: page_errors.append(str(e)[:300]))
+    on_error = lambda e: page_errors.append(str(e)[:300])   # noqa: E731
+    page.on("pageerror", on_error)
     t0 = time.monotonic()
     try:
         panel = _open(page, lab, rel, as_readme, shots)
@@ -89,10 +99,16 @@ def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool
     except BaseException:                   # pytest-timeout's Failed too
         page.screenshot(path=str(shots / "FAILED.png"))
         print(lab.log_tail())
+        if not own:
+            page.goto("about:blank")        # the next notebook loads JupyterLab afresh
         raise
     finally:
         rep.timings["total"] = time.monotonic() - t0
-        ctx.close()
+        page.remove_listener("pageerror", on_error)
+        if own:
+            page.context.close()
+        elif page.url != "about:blank":
+            _close_tabs(page)
         try:
             left = lab.shutdown_kernels()
         except Exception as exc:  # noqa: BLE001 - do not hide the failure being raised
@@ -104,9 +120,16 @@ def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool
 
 # ------------------------------------------------------------------ open, run, save
 def _open(page, lab, rel: str, as_readme: bool, shots: Path):
-    """The README's notebook opens from the page the server writes for a learner's browser."""
-    page.goto(lab.open_page() if as_readme else
-              lab.url(f"lab/tree/{lab.tree_path(rel)}", reset=""))
+    """The README's notebook opens from the page the server writes for a learner's browser;
+    in a page that shows JupyterLab already, from File > Open from Path...; else by URL."""
+    if not as_readme and page.url.startswith(lab.url().split("?")[0]):
+        _menu(page, "File", r"^Open from Path")
+        box = page.locator(".jp-Dialog input").first
+        box.fill(lab.tree_path(rel))
+        box.press("Enter")
+    else:
+        page.goto(lab.open_page() if as_readme else
+                  lab.url(f"lab/tree/{lab.tree_path(rel)}", reset=""))
     tab = page.locator(".lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel", has_text=Path(rel).name)
     dialog = page.locator(".jp-Dialog-content")
     end = time.monotonic() + OPEN_S
@@ -131,6 +154,20 @@ def _open(page, lab, rel: str, as_readme: bool, shots: Path):
     return panel
 
 
+def _menu(page, menu: str, item: str) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(f"^{menu}$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(item)).first.click()
+
+
+def _close_tabs(page) -> None:
+    """File > Close All Tabs (saved notebooks close without asking; their kernels stay up
+    until :meth:`browser_helpers.Lab.shutdown_kernels`)."""
+    _menu(page, "File", r"^Close All Tabs$")
+    _wait(lambda: not page.locator(".jp-NotebookPanel:visible").count(), 10)
+    if page.locator(".jp-NotebookPanel:visible").count():
+        page.goto("about:blank")            # it would not close: start the next one afresh
+
+
 def _kernel_idle(lab, rel: str) -> bool:
     path = lab.tree_path(rel)
     return any(x["path"] == path and (x.get("kernel") or {}).get("execution_state") == "idle"
@@ -153,8 +190,7 @@ _PROMPTS = """(panel) => {
 
 def _run_all(page, panel, rel: str) -> None:
     for attempt in range(3):
-        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+        _menu(page, "Run", r"^Run All Cells$")
         if _wait(lambda: any(p != "[ ]:" for p in panel.evaluate(_PROMPTS)["prompts"]), 15):
             break
         print(f"{rel}: Run All Cells started nothing (attempt {attempt + 1}); clicking again")

@@ -2,9 +2,10 @@
 
 nbval proves the code runs; this proves a learner who runs the README's "open the lab" command
 sees working widgets. One JupyterLab server (exactly the README's command, in a temporary copy
-of the repo) and one Chromium (Debian's ``chromium-headless-shell`` driven by ``playwright``)
-serve the whole module. Each notebook in ``notebooks/`` is opened, run with Run > Run All Cells,
-saved, and checked:
+of the repo) and one Chromium tab (Debian's ``chromium-headless-shell`` driven by
+``playwright``) serve the whole module. Each notebook in ``notebooks/`` is opened (the README's
+from the page the server writes, the others from File > Open from Path...), run with Run > Run
+All Cells, saved, checked, and its tab closed:
 
 * no cell raised (read from the saved ``.ipynb``), every cell ran, no "Error displaying widget";
 * every plot rendered as a loaded image (and a notebook that plots has at least one);
@@ -70,6 +71,15 @@ def browser(lab):
     assert not left, f"Chromium processes left after browser.close(): {[p.pid for p in left]}"
 
 
+@pytest.fixture(scope="module")
+def page(browser):
+    """One tab for the module, as a learner has: JupyterLab loads once, then each notebook
+    opens from File > Open from Path... (a fresh JupyterLab per notebook cost ~8 s of CPU)."""
+    page = bp.new_page(browser)
+    yield page
+    page.context.close()
+
+
 def readme_notebook() -> str:
     """The notebook the README's lab command opens (relative path)."""
     return next(w for w in lab_command()[2:] if w.endswith(".ipynb"))
@@ -111,11 +121,11 @@ def _selfcheck_notebook() -> tuple[nbformat.NotebookNode, dict[str, int]]:
 
 
 @pytest.mark.timeout(300)
-def test_the_checks_can_fail(lab, browser):
+def test_the_checks_can_fail(lab, browser, page):
     nb, fault = _selfcheck_notebook()
     rel = "notebooks/_browser_selfcheck.ipynb"        # in the server's temporary copy only
     nbformat.write(nb, lab.root / rel)
-    report = bp.check_notebook(lab, browser, rel, slow_s=1.0, grade=True)
+    report = bp.check_notebook(lab, browser, rel, slow_s=1.0, grade=True, page=page)
     print(report.summary())
     probs = report.problems
     print("\n".join(probs))
@@ -135,12 +145,12 @@ def test_the_checks_can_fail(lab, browser):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_in_jupyterlab(lab, browser, path):
+def test_notebook_in_jupyterlab(lab, browser, page, path):
     rel = path.relative_to(REPO).as_posix()
     source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
                        if c.cell_type == "code")
     report = bp.check_notebook(lab, browser, rel, slow_s=SLOW_S,
-                               as_readme=(rel == readme_notebook()), grade=True)
+                               as_readme=(rel == readme_notebook()), grade=True, page=page)
     print(report.summary())
     assert report.problems == [], f"{rel} in JupyterLab:\n  " + "\n  ".join(report.problems)
     if "quiz.ask(" in source:
