@@ -81,8 +81,9 @@ def test_crash_and_sigkill_restart_and_resume_bit_for_bit(tmp_path, reference):
     fails = [(f["local_rank"], f["exitcode"]) for f in result.failures]
     assert fails[0] == (1, 1)                   # the injected fault
     # The agent names the failure with the earliest timestamp, in whole seconds: usually the
-    # SIGKILLed rank 0, sometimes rank 1, which died of "Connection closed" milliseconds later.
-    assert fails[1] in ((0, -9), (1, 1)) and len(fails) == 2
+    # SIGKILLed rank 0, sometimes rank 1, which died of "Connection closed" milliseconds later,
+    # or (seen with 3 test workers on 2 cores) was stopped by the agent's SIGTERM first.
+    assert fails[1] in ((0, -9), (1, 1), (1, -15)) and len(fails) == 2
     assert fails[1] != (0, -9) or result.failures[1]["pid"] == pid
     out = "\n".join(result.rank_lines(0))
     assert "step 16, epoch 1" in out                      # attempt 1 resumed from step 16
@@ -248,6 +249,10 @@ def test_spawn_and_torchrun_variants_train_identically():
 
 
 # -------------------------------------------------------------------- exercise
+# A right answer's full marks are checked where the learner gets them: solutions/05's check
+# cell and its grade item (nbval, LABKIT_EXPECT_SOLVED), each a real torchrun run. Here: the
+# mistakes (`solution` is what test_exercise_diagnoses_wrong_parameters grades against
+# the runs a mistaken answer would end with).
 def solution(epochs=2, batch_size=64, lr=0.1):
     import os
 
@@ -307,14 +312,6 @@ def sloppy(epochs=2, batch_size=64, lr=0.1):
             opt.step()
         print(f"rank {os.environ['RANK']} epoch {epoch}: loss {loss.item():.4f}")
     return model
-
-
-def test_exercise_passes_a_correct_answer():
-    from labkit.grading.exercise import evaluate
-
-    score = evaluate("05.train_ddp", solution)
-    assert score.status == "correct", [c for c in score.cases if not c.passed]
-    assert len(score.cases) == 6
 
 
 def test_exercise_names_each_mistake():
