@@ -18,7 +18,8 @@ lesson.
 Importing labkit is cheap: torch is imported by the ranks, and in the notebook only when a
 verb needs it. Lesson handles (``lk.ddp``, ``lk.quiz`` ...) load on first use. In a Jupyter
 kernel the import also starts the rank launcher in the background (one process that imports
-torch once and forks ranks from then on), so the first ``lk.run`` answers in about a second;
+torch once and forks ranks from then on), so the first ``lk.run`` answers in a couple of
+seconds when it runs right away (Run All) and at once a few seconds later;
 ``LABKIT_PRESTART=0`` turns that off. It ends with the kernel.
 """
 import os as _os

@@ -75,8 +75,9 @@ def zygote_main(fd: int) -> None:
         if msg[0] == FORK:
             # A job asked for before the first idle moment (Run All, a script): import
             # torch._dynamo here once rather than in each of its ranks at once (on 2 cores,
-            # 4 ranks' first DDP step took 7 s that way, 4 s this way; a job that never
-            # needs it waits ~2 s, which the first idle moment would spend anyway).
+            # a cold first job of 4 DDP ranks took 9-10 s that way, 4.5-5.5 s this way; a
+            # job that never needs it waits ~2 s more, which the first idle moment would
+            # spend anyway).
             preloaded = preloaded or _preload_dynamo()
             conns, pids = _fork_ranks(msg[1], ctrl, wake_r, wake_w)
             children.update(pids)
