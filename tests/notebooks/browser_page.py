@@ -1,9 +1,10 @@
 """JupyterLab in a headless browser, the page side: run a notebook through the UI and check it.
 
 :func:`check_notebook` opens one notebook of a running :class:`browser_helpers.Lab` (in a page
-of :func:`new_page` that serves one notebook after another), runs Run > Run All Cells, saves, and returns a :class:`Report` whose
-``problems`` name the cell and what went wrong. It clicks what a learner clicks: the quiz forms
-(``labkit-quiz``: a wrong answer, then the bank's right one) and the ring player (▶ and Play).
+of :func:`new_page`, which serves one notebook after another), runs Run > Run All Cells, saves,
+and returns a :class:`Report` whose ``problems`` name the cell and what went wrong. It clicks
+what a learner clicks: the quiz forms (``labkit-quiz``: a wrong answer, then the bank's right
+one) and the ring player (▶ and Play).
 Screenshots go to ``artifacts/browser/<notebook>/``.
 
 Example::
