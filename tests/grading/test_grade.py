@@ -19,6 +19,7 @@ import nbformat
 import psutil
 import pytest
 
+from labkit.grading import grader
 from labkit.grading.grader import SubmissionError, bank_for, format_report, read_submission
 from labkit.grading.bank import all_banks
 
@@ -360,9 +361,11 @@ def test_cli_usage_errors(tmp_path):
     nobanks = subprocess.run(cmd + [str(SOLVED), "--bank-dir", str(tmp_path / "none")],
                              capture_output=True, text=True)
     assert nobanks.returncode == 2 and "no question banks" in nobanks.stderr
-    for jobs in ("0", "two"):
-        bad = subprocess.run(cmd + [str(SOLVED), "--jobs", jobs], capture_output=True, text=True)
-        assert bad.returncode == 2 and "--jobs: must be a whole number of at least 1" in bad.stderr
+    bad = subprocess.run(cmd + [str(SOLVED), "--jobs", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--jobs: must be a whole number of at least 1" in bad.stderr
+    for jobs in ("-1", "two", "1.5"):                  # the same parser, without a process each
+        with pytest.raises(SystemExit):
+            grader._parser().parse_args([str(SOLVED), "--jobs", jobs])
 
 
 # The lab's own notebooks are graded in the same run as nbval executes them (one execution,
