@@ -9,7 +9,8 @@ Screenshots go to ``artifacts/browser/<notebook>/``.
 
 Example::
 
-    report = check_notebook(lab, browser, "notebooks/00_setup.ipynb")
+    page = new_page(browser)               # one tab: notebook after notebook
+    report = check_notebook(lab, page, "notebooks/00_setup.ipynb")
     assert report.problems == [], report.problems
 """
 from __future__ import annotations
@@ -52,24 +53,21 @@ def new_page(browser):
     return page
 
 
-def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool = False,
-                   grade: bool = False, page=None) -> Report:
+def check_notebook(lab, page, rel: str, slow_s: float = 10.0, as_readme: bool = False,
+                   grade: bool = False) -> Report:
     """Open ``rel`` in JupyterLab, run every cell through the UI, check what rendered.
 
     ``as_readme``: open it the way the README's command does (the server's open-file page).
     ``grade``: then grade its live kernel as the grader would (an untouched student
     notebook must score zero, cleanly: :meth:`browser_helpers.Lab.grade_live`).
-    ``page`` (from :func:`new_page`): a page that may already show JupyterLab; the notebook
-    then opens in it the way a learner opens the next one (File > Open from Path...) and its
-    tab is closed at the end. Without one, a fresh browser context loads JupyterLab.
+    ``page`` (from :func:`new_page`): where JupyterLab already shows, the notebook opens the
+    way a learner opens the next one (File > Open from Path...); its tab is closed at the end.
     """
     rep = Report(rel)
     shots = ARTIFACTS / Path(rel).stem
     shots.mkdir(parents=True, exist_ok=True)
     for old in shots.glob("*.png"):
         old.unlink()
-    own = page is None
-    page = new_page(browser) if own else page
     page_errors: list[str] = []
     on_error = lambda e: page_errors.append(str(e)[:300])   # noqa: E731
     page.on("pageerror", on_error)
@@ -100,15 +98,12 @@ def check_notebook(lab, browser, rel: str, slow_s: float = 10.0, as_readme: bool
     except BaseException:                   # pytest-timeout's Failed too
         page.screenshot(path=str(shots / "FAILED.png"))
         print(lab.log_tail())
-        if not own:
-            page.goto("about:blank")        # the next notebook loads JupyterLab afresh
+        page.goto("about:blank")            # the next notebook loads JupyterLab afresh
         raise
     finally:
         rep.timings["total"] = time.monotonic() - t0
         page.remove_listener("pageerror", on_error)
-        if own:
-            page.context.close()
-        elif page.url != "about:blank":
+        if page.url != "about:blank":
             _close_tabs(page)
         try:
             left = lab.shutdown_kernels()

@@ -121,11 +121,11 @@ def _selfcheck_notebook() -> tuple[nbformat.NotebookNode, dict[str, int]]:
 
 
 @pytest.mark.timeout(300)
-def test_the_checks_can_fail(lab, browser, page):
+def test_the_checks_can_fail(lab, page):
     nb, fault = _selfcheck_notebook()
     rel = "notebooks/_browser_selfcheck.ipynb"        # in the server's temporary copy only
     nbformat.write(nb, lab.root / rel)
-    report = bp.check_notebook(lab, browser, rel, slow_s=1.0, grade=True, page=page)
+    report = bp.check_notebook(lab, page, rel, slow_s=1.0, grade=True)
     print(report.summary())
     probs = report.problems
     print("\n".join(probs))
@@ -145,12 +145,12 @@ def test_the_checks_can_fail(lab, browser, page):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_in_jupyterlab(lab, browser, page, path):
+def test_notebook_in_jupyterlab(lab, page, path):
     rel = path.relative_to(REPO).as_posix()
     source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
                        if c.cell_type == "code")
-    report = bp.check_notebook(lab, browser, rel, slow_s=SLOW_S,
-                               as_readme=(rel == readme_notebook()), grade=True, page=page)
+    report = bp.check_notebook(lab, page, rel, slow_s=SLOW_S,
+                               as_readme=(rel == readme_notebook()), grade=True)
     print(report.summary())
     assert report.problems == [], f"{rel} in JupyterLab:\n  " + "\n  ".join(report.problems)
     if "quiz.ask(" in source:
