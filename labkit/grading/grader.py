@@ -57,9 +57,8 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .bank import Bank, BankError, all_banks, bank_dir
 from .kernel import execute
@@ -68,8 +67,8 @@ from .score import MARKS, Score
 from .scoring import score
 
 __all__ = ["Options", "SubmissionError", "read_submission", "bank_for", "grade_notebook",
-           "score_collected", "lesson_grade_problems", "grade_paths", "submissions_in",
-           "format_report", "write_csv", "main"]
+           "score_collected", "grade_lesson_kernel", "lesson_grade_problems", "grade_paths",
+           "submissions_in", "format_report", "write_csv", "main"]
 
 
 class SubmissionError(Exception):
@@ -212,21 +211,55 @@ def grade_notebook(path: str | os.PathLike, opts: Options | None = None) -> dict
 
 
 def score_collected(bank: Bank, collected: dict[str, tuple[str, Any]],
-                    opts: Options | None = None, trusted: bool = False) -> list[Score]:
+                    opts: Options | None = None, trusted: bool = False,
+                    checked: dict[str, Score] | None = None) -> list[Score]:
     """Score every question of ``bank`` from the values collected out of a kernel.
 
     ``collected`` is what :func:`labkit.grading.kernel.read_values` returns: plain answers are
     scored here; exercises and computed questions, which run the submission's own objects, in
     the checker process (:func:`labkit.grading.sandbox.score_in_sandbox`). The lab's pytest
     plugin grades nbval's own kernel with this too, with ``trusted=True``: the lab's own
-    notebooks are scored in this process (:func:`labkit.grading.sandbox.score_trusted`).
+    notebooks are scored in this process (:func:`labkit.grading.sandbox.score_trusted`), and
+    the exercises in ``checked`` keep the Score their own check cell gave.
     """
     opts = opts or Options()
     remote = [q for q in bank.questions.values() if q.runs_submission_code]
-    score_remote = score_trusted if trusted else partial(score_in_sandbox, bank)
-    sandboxed = score_remote(remote, collected, opts.check_timeout)
+    if trusted:
+        sandboxed = score_trusted(remote, collected, opts.check_timeout, checked)
+    else:
+        sandboxed = score_in_sandbox(bank, remote, collected, opts.check_timeout)
     return [sandboxed[q.id] if q.runs_submission_code else _score_plain(q, collected)
             for q in bank.questions.values()]
+
+
+def grade_lesson_kernel(nb, path: Path, run_cell: Callable[[str], None],
+                        solved: bool) -> tuple[list[Score], str | None]:
+    """Grade the live kernel of one of the lab's own notebooks (``solutions/`` or an untouched
+    ``notebooks/`` copy): the pytest plugin's ``grade`` item after nbval, and the browser test
+    after JupyterLab ran it. ``run_cell(source)`` executes a cell in that kernel and returns
+    when it is idle. Returns the Scores and :func:`lesson_grade_problems`' verdict.
+
+    The answers are collected exactly as the grader collects them and scored with the bank's
+    key. An exercise that the notebook's own check cell already scored, on the very function
+    the bank's variable holds now, keeps that Score (the same checker from the same bank, run
+    minutes ago in that kernel: solutions/08's capstone grading alone takes a minute); any
+    other is checked here. Never for a submission: its kernel could report any Score.
+    """
+    import tempfile
+
+    from .kernel import checked_source, collector_source, read_values
+    from .sandbox import read_scores
+
+    opts = Options()
+    bank = bank_for(nb, path, all_banks(opts.banks_path()))
+    exercises = {q.id: q.variable for q in bank.questions.values() if q.kind == "exercise"}
+    with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
+        run_cell(collector_source(bank.names, tmp, bank.pickled))
+        collected = read_values(Path(tmp), bank.names)
+        run_cell(checked_source(exercises, Path(tmp) / "checked.jsonl"))
+        checked = read_scores(Path(tmp) / "checked.jsonl")
+    scores = score_collected(bank, collected, opts, trusted=True, checked=checked)
+    return scores, lesson_grade_problems(scores, solved)
 
 
 def lesson_grade_problems(scores: list[Score], solved: bool) -> str | None:

@@ -295,6 +295,28 @@ def collector_source(names: list[str], folder: str | Path, pickled=()) -> str:
     return _COLLECT % (list(names), sorted(pickled), str(folder))
 
 
+_CHECKED = r'''
+def __labkit_checked__(variables, out):
+    import json, sys
+    exercise = sys.modules.get("labkit.grading.exercise")
+    ns = sys._getframe(1).f_globals
+    with open(out, "w") as f:
+        for qid, name in (variables.items() if exercise else ()):
+            s = exercise.last_check(qid, ns.get(name))
+            if s is not None:
+                f.write(json.dumps(s.to_dict(), default=str) + "\n")
+__labkit_checked__(%r, %r)
+del __labkit_checked__
+'''
+
+
+def checked_source(variables: dict[str, str], out: str | Path) -> str:
+    """The code of a cell that writes, as JSON lines to ``out``, the Score of each exercise
+    (id -> its variable) that the kernel itself last checked on the object the variable holds
+    now. For the lab's own notebooks only: a submission's kernel could write anything there."""
+    return _CHECKED % (dict(variables), str(out))
+
+
 def read_values(folder: Path, names: list[str]) -> dict[str, tuple[str, Any]]:
     """What the collector saved, without running any of it: name -> ("ok", plain data from
     JSON) | ("pickle", bytes, never loaded here) | ("missing", "") | ("error", message) |

@@ -10,14 +10,14 @@ Two things happen on top of nbval when ``pytest`` runs the notebooks:
    cell, an extra item ``grade`` collects the bank's answer variables from nbval's live kernel
    exactly as ``python -m labkit grade`` does, and scores them with the bank's key and checkers
    here, in pytest's process (the lab's own notebooks are trusted, so no checker process is
-   started for them): a solved notebook must score full marks, an untouched student notebook
-   zero. (The grader's own path — fresh kernel, time limits, the checker process, hostile
+   started for them; an exercise its check cell already scored on the same function keeps
+   that Score: :func:`labkit.grading.grader.grade_lesson_kernel`): a solved notebook must
+   score full marks, an untouched student notebook zero. (The grader's own path — fresh kernel, time limits, the checker process, hostile
    submissions — is tested on small notebooks in ``tests/grading/test_grade.py``.)
 """
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,23 +53,19 @@ class GradeItem(pytest.Item):
     """Score the answers left in nbval's kernel with the grader's own key."""
 
     def runtest(self):
-        from .bank import all_banks
-        from .grader import Options, bank_for, lesson_grade_problems, score_collected
-        from .kernel import collector_source, read_values
+        from .grader import Options, grade_lesson_kernel
 
         nbfile, path = self.parent, Path(str(self.fspath))
         kernel = nbfile.kernel
         if kernel is None or not kernel.is_alive():
             pytest.fail("the notebook's kernel is gone: it cannot be graded")
-        opts = Options()
-        bank = bank_for(nbfile.nb, path, all_banks(opts.banks_path()))
-        with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
-            msg_id = kernel.execute_cell_input(collector_source(bank.names, tmp, bank.pickled))
-            kernel.await_idle(msg_id, opts.collect_timeout)
-            collected = read_values(Path(tmp), bank.names)
-        scores = score_collected(bank, collected, opts, trusted=True)   # the lab's own notebook
+
+        def run_cell(source):
+            kernel.await_idle(kernel.execute_cell_input(source), Options().collect_timeout)
+
+        scores, problem = grade_lesson_kernel(nbfile.nb, path, run_cell,
+                                              solved=_lesson_folder(path) == "solutions")
         self.user_properties.append(("points", sum(s.points for s in scores)))
-        problem = lesson_grade_problems(scores, solved=_lesson_folder(path) == "solutions")
         assert problem is None, problem
 
     def reportinfo(self):

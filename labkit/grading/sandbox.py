@@ -32,7 +32,7 @@ from .bank import Bank, Question, load_bank
 from .exercise import Case
 from .score import Score
 
-__all__ = ["score_in_sandbox", "score_trusted", "TOKEN_VAR", "KEY_TIMEOUT_S"]
+__all__ = ["score_in_sandbox", "score_trusted", "read_scores", "TOKEN_VAR", "KEY_TIMEOUT_S"]
 
 TOKEN_VAR = "LABKIT_SANDBOX_TOKEN"
 KEY_TIMEOUT_S = 60.0     # a quiz key is quick; an exercise gets the grader's check timeout
@@ -72,12 +72,14 @@ def score_in_sandbox(bank: Bank, questions: list[Question], collected: dict[str,
             why = f"the checker process ran past its {limit:.0f} s limit and was stopped"
         finally:
             kill_marked(TOKEN_VAR, token)
-        done = _read_results(folder / "results.jsonl")
+        done = read_scores(folder / "results.jsonl")
     return {q.id: done.get(q.id) or Score(q.id, 0.0, q.points, "error", f"not graded: {why}")
             for q in questions}
 
 
-def _read_results(path: Path) -> dict[str, Score]:
+def read_scores(path: Path) -> dict[str, Score]:
+    """The Scores written to ``path`` as JSON lines (by the checker process or
+    :func:`labkit.grading.kernel.checked_source`): id -> Score; unreadable lines are skipped."""
     out = {}
     if path.exists():
         for line in path.read_text().splitlines():
@@ -152,11 +154,16 @@ def _score_one(q: Question, states: dict, check_timeout: float) -> Score:
 
 
 def score_trusted(questions: list[Question], collected: dict[str, tuple],
-                  check_timeout: float) -> dict[str, Score]:
+                  check_timeout: float, checked: dict[str, Score] | None = None
+                  ) -> dict[str, Score]:
     """Score ``questions`` in THIS process: only for notebooks the lab itself wrote (its
     ``solutions/`` and untouched ``notebooks/``, graded by the test suite), never for a
-    submission. It saves a checker process, and its cold start, per notebook."""
-    return {q.id: _score_one(q, collected, check_timeout) for q in questions}
+    submission. It saves a checker process, and its cold start, per notebook. An exercise in
+    ``checked`` (what the notebook's own check cell scored, on the very function collected)
+    keeps that Score instead of running its checker a second time."""
+    checked = checked or {}
+    return {q.id: checked.get(q.id) or _score_one(q, collected, check_timeout)
+            for q in questions}
 
 
 def main(argv: list[str] | None = None) -> int:

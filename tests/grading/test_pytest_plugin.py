@@ -44,3 +44,50 @@ def test_a_full_marks_solution_passes_and_an_answered_student_notebook_fails(tmp
     out = _pytest(tmp_path)
     assert "1 failed, 3 passed" in out.stdout, out.stdout
     assert "notebooks/00_setup.ipynb::grade" in out.stdout and "must score zero" in out.stdout
+
+
+BANK = '''[[question]]
+id = "91.answer"
+kind = "exercise"
+prompt = "Write answer(): return 3."
+variable = "answer"
+checker = "logged_checks.py:check_answer"
+'''
+CHECKER = '''import os
+from labkit.grading.exercise import Case
+
+
+def check_answer(fn):
+    """Logs every run (kernel or grade item) to $LABKIT_TEST_CHECK_LOG: what fn returned."""
+    got = fn()
+    with open(os.environ["LABKIT_TEST_CHECK_LOG"], "a") as log:
+        log.write(f"{got}\\n")
+    return [Case("returns 3", got == 3, f"returned {got}")]
+'''
+
+
+def test_the_grade_item_reuses_a_check_only_for_the_very_function_it_checked(tmp_path):
+    """A check cell's Score stands in for the grade only while the variable holds the function
+    it checked: a function redefined after its check is checked again, and fails."""
+    quizzes, log = tmp_path / "quizzes", tmp_path / "checks.log"
+    quizzes.mkdir()
+    (quizzes / "91_reuse.toml").write_text(BANK)
+    (quizzes / "logged_checks.py").write_text(CHECKER)
+    check = 'import labkit as lk\ndef answer():\n    return 3\nlk.exercise.check("91.answer", answer)'
+    (tmp_path / "solutions").mkdir()
+    for name, cells in (("91_reuse", [check]),
+                        ("91_redefined", [check, "def answer():\n    return 4"])):
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+        nb.metadata["labkit"] = {"bank": "91_reuse"}
+        nbformat.write(nb, tmp_path / "solutions" / f"{name}.ipynb")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--nbval-lax", "--nbval-current-env", "-p", "labkit.grading.pytest_plugin",
+                          "--rootdir", str(tmp_path), str(tmp_path / "solutions")],
+                         capture_output=True, text=True, timeout=150, cwd=tmp_path,
+                         env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+                              "LABKIT_QUIZ_DIR": str(quizzes), "LABKIT_TEST_CHECK_LOG": str(log)})
+    assert "1 failed, 4 passed" in out.stdout, out.stdout + out.stderr
+    assert "91_redefined.ipynb::grade" in out.stdout and "returned 4" in out.stdout
+    # two check cells (3, 3), one re-check of the redefined function (4): the kept one not re-run
+    assert sorted(log.read_text().split()) == ["3", "3", "4"]

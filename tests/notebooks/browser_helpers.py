@@ -273,10 +273,7 @@ class Lab:
         """
         from jupyter_client import BlockingKernelClient
 
-        from labkit.grading.bank import all_banks
-        from labkit.grading.grader import (Options, bank_for, lesson_grade_problems,
-                                           score_collected)
-        from labkit.grading.kernel import collector_source, read_values
+        from labkit.grading.grader import Options, grade_lesson_kernel
 
         path = self.tree_path(rel)
         ids = [s["kernel"]["id"] for s in self.api("GET", "/api/sessions") if s["path"] == path]
@@ -285,20 +282,16 @@ class Lab:
         kc = BlockingKernelClient(connection_file=str(self.tmp / "runtime" / f"kernel-{ids[0]}.json"))
         kc.load_connection_file()
         kc.start_channels()
-        opts = Options()
+
+        def run_cell(source):
+            kc.execute_interactive(source, store_history=False, timeout=Options().collect_timeout,
+                                   output_hook=lambda msg: None)
         try:
             kc.wait_for_ready(timeout=30)
-            bank = bank_for(nbformat.read(self.root / rel, as_version=4), Path(rel),
-                            all_banks(opts.banks_path()))
-            with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
-                kc.execute_interactive(collector_source(bank.names, tmp, bank.pickled),
-                                       store_history=False,
-                                       timeout=opts.collect_timeout, output_hook=lambda msg: None)
-                collected = read_values(Path(tmp), bank.names)
+            return grade_lesson_kernel(nbformat.read(self.root / rel, as_version=4), Path(rel),
+                                       run_cell, solved=False)[1]
         finally:
             kc.stop_channels()
-        return lesson_grade_problems(score_collected(bank, collected, opts, trusted=True),
-                                     solved=False)   # the lab's own notebook: no sandbox
 
     def shutdown_kernels(self, within: float = 10.0) -> list[str]:
         """Shut every kernel down through the server; kill what outlives it and describe it."""
