@@ -54,12 +54,13 @@ def new_page(browser):
 
 
 def check_notebook(lab, page, rel: str, slow_s: float = 10.0, as_readme: bool = False,
-                   grade: bool = False) -> Report:
+                   grade: bool = False, gone_s: float = 10.0) -> Report:
     """Open ``rel`` in JupyterLab, run every cell through the UI, check what rendered.
 
     ``as_readme``: open it the way the README's command does (the server's open-file page).
     ``grade``: then grade its live kernel as the grader would (an untouched student
     notebook must score zero, cleanly: :meth:`browser_helpers.Lab.grade_live`).
+    ``gone_s``: how long the kernel's processes get to end after its shutdown.
     ``page`` (from :func:`new_page`): where JupyterLab already shows, the notebook opens the
     way a learner opens the next one (File > Open from Path...); its tab is closed at the end.
     """
@@ -106,7 +107,7 @@ def check_notebook(lab, page, rel: str, slow_s: float = 10.0, as_readme: bool = 
         if page.url != "about:blank":
             _close_tabs(page)
         try:
-            left = lab.shutdown_kernels()
+            left = lab.shutdown_kernels(within=gone_s)
         except Exception as exc:  # noqa: BLE001 - do not hide the failure being raised
             left = [f"(could not shut the kernel down: {exc})"]
         if left:

@@ -125,7 +125,7 @@ def test_the_checks_can_fail(lab, page):
     nb, fault = _selfcheck_notebook()
     rel = "notebooks/_browser_selfcheck.ipynb"        # in the server's temporary copy only
     nbformat.write(nb, lab.root / rel)
-    report = bp.check_notebook(lab, page, rel, slow_s=1.0, grade=True)
+    report = bp.check_notebook(lab, page, rel, slow_s=1.0, grade=True, gone_s=3.0)  # sleep 120 stays
     print(report.summary())
     probs = report.problems
     print("\n".join(probs))
