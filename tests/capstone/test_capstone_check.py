@@ -6,10 +6,10 @@ wall time, the wrong pieces travel in pairs (a wrong evaluation with a wrong che
 are judged on different evidence, the evaluation at step 3 happens before any checkpoint is
 loaded) and the five gradings run at the same time (the machine mostly waits on process starts).
 
-The solution's full marks are not graded again here: ``solutions/08_capstone.ipynb`` does it
-twice in every test run, through the same checkers — its check cell in the notebook's kernel,
-then its ``grade`` item through the grader's sandbox (nbval; ``LABKIT_EXPECT_SOLVED`` turns any
-item short of full marks into a failure; tests/grading/test_pytest_plugin.py shows it does).
+The solution's full marks are not graded again here: ``solutions/08_capstone.ipynb`` grades
+it in every test run, through the same checkers, in its check cell (``LABKIT_EXPECT_SOLVED``
+turns any item short of full marks into a failure); its ``grade`` item then keeps that Score
+(tests/grading/test_pytest_plugin.py shows both can fail).
 """
 from __future__ import annotations
 
