@@ -242,7 +242,7 @@ def grade_lesson_kernel(nb, path: Path, run_cell: Callable[[str], None],
     The answers are collected exactly as the grader collects them and scored with the bank's
     key. An exercise that the notebook's own check cell already scored, on the very function
     the bank's variable holds now, keeps that Score (the same checker from the same bank, run
-    minutes ago in that kernel: solutions/08's capstone grading alone takes a minute); any
+    minutes ago in that kernel: solutions/08's capstone grading alone takes 40-50 s); any
     other is checked here. Never for a submission: its kernel could report any Score.
     """
     import tempfile
