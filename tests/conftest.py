@@ -145,6 +145,7 @@ def nothing_left_behind(grace: float = 5.0):
                 p.kill()
             except psutil.Error:
                 pass
+        psutil.wait_procs(left, timeout=5)   # "now killed" means gone: SIGKILL lands asynchronously
         pytest.fail("the test left processes running (now killed):\n  " + "\n  ".join(names),
                     pytrace=False)
 

@@ -67,11 +67,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, Subset
 
 from ..common.checkpoints import Checkpoints, NoValidCheckpoint
+from ..common.elastic import record   # torch's @record; its error file written whole
 from .data import Windows, decode, encode, load_corpus, rank_batches
 from .evaluate import all_reduce_sums, evaluate
 from .model import GPTConfig, make_gpt

@@ -55,11 +55,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ..common.checkpoints import Checkpoints, NoValidCheckpoint
+from ..common.elastic import record   # torch's @record; its error file written whole
 
 __all__ = ["make_dataset", "make_model", "parse_args", "train", "main",
            "ResumableSampler", "InjectedFault", "save_snapshot", "load_snapshot", "load_final",

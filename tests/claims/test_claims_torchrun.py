@@ -243,5 +243,32 @@ def test_elastic_join_does_not_use_a_restart_but_a_lost_node_does(tmp_path):
                 _kill_tree(p)
 
 
+CUT_SHORT = textwrap.dedent("""
+    import os, sys, time
+    if os.environ["RANK"] == "0":
+        open(os.environ["TORCHELASTIC_ERROR_FILE"], "w").close()   # a write the SIGTERM cuts short
+        time.sleep(60)                                            # until the agent stops the group
+    time.sleep(1)
+    sys.exit(1)                                                   # rank 1 fails: the group stops
+""")
+
+
+@pytest.mark.timeout(120)
+def test_an_error_file_cut_short_crashes_the_agent(tmp_path):
+    """README "The project": “on torch 2.13.0 a worker error file cut short by the
+    agent's SIGTERM crashes the agent itself instead of restarting the group”. Rank 0 leaves its
+    error file empty and waits; rank 1 fails; the agent SIGTERMs rank 0, reads its file again
+    and dies of the JSONDecodeError, with a restart still left."""
+    script = tmp_path / "cut_short.py"
+    script.write_text(CUT_SHORT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--max-restarts=1", "--monitor-interval=0.2", str(script)]
+    done = _claims.run_tree(cmd, timeout=100, env=_clean_env())
+    assert done.returncode != 0
+    assert "Failed to parse reply file" in done.stderr, done.stderr[-3000:]
+    assert "json.decoder.JSONDecodeError" in done.stderr
+    assert "will restart worker group" not in done.stderr        # the restart never happened
+
+
 def test_the_lab_says_what_these_tests_show():
     _claims.check_quotes(sys.modules[__name__])
