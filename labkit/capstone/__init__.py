@@ -1,7 +1,8 @@
 """Lesson 08, the capstone: a small GPT trained under torchrun that survives failures, shards, and proves itself.
 
-Modules, one concept each (the script imports only torch, these, and
-:mod:`labkit.common.checkpoints`, the rotation and verification notebook 05 teaches):
+Modules, one concept each (the script imports only torch, these,
+:mod:`labkit.common.checkpoints`, the rotation and verification notebook 05 teaches, and
+:mod:`labkit.common.elastic`, its ``@record``):
 
 * :mod:`.data` — the corpus (Python's standard library, as bytes) and the per-rank batches;
 * :mod:`.model` — a small byte-level GPT;

@@ -6,7 +6,8 @@
 * :mod:`~labkit.common.plots` — every picture of the lab (``lk.plots``);
 * :mod:`~labkit.common.progress` — progress bars for anything longer than a few seconds;
 * :mod:`~labkit.common.checkpoints` — keep the last K checkpoints, prove each whole, fall back
-  (notebook 05's script and notebook 08's capstone).
+  (notebook 05's script and notebook 08's capstone);
+* :mod:`~labkit.common.elastic` — their ``@record``: torch's, with the error file written whole.
 
 No lesson is imported from here: lessons import these, never the other way round.
 """

@@ -37,9 +37,10 @@ often fail to connect (``Gloo connectFullMesh failed``).
 
 In Python: ``train(parse_args([...]))`` trains inside an already initialised
 process group; the lesson's ``lk.torchrun.reference([...], world_size=2)`` does that on
-warm lab ranks and returns the final parameters. This file imports only torch and
-:mod:`labkit.common.checkpoints` (plain Python): it is the leaf a learner copies into their own
-project, with that one file.
+warm lab ranks and returns the final parameters. This file imports only torch,
+:mod:`labkit.common.checkpoints` and :mod:`labkit.common.elastic` (plain Python; the second is
+torch's ``@record`` with its error file written whole): it is the leaf a learner copies into
+their own project, with those two files.
 """
 from __future__ import annotations
 
