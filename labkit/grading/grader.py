@@ -53,6 +53,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -61,8 +62,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .bank import Bank, BankError, all_banks, bank_dir
-from .kernel import execute
-from .sandbox import score_in_sandbox, score_trusted
+from .kernel import checked_source, collector_source, execute, read_values
+from .sandbox import read_scores, score_in_sandbox, score_trusted
 from .score import MARKS, Score
 from .scoring import score
 
@@ -245,11 +246,6 @@ def grade_lesson_kernel(nb, path: Path, run_cell: Callable[[str], None],
     minutes ago in that kernel: solutions/08's capstone grading alone takes 40-50 s); any
     other is checked here. Never for a submission: its kernel could report any Score.
     """
-    import tempfile
-
-    from .kernel import checked_source, collector_source, read_values
-    from .sandbox import read_scores
-
     opts = Options()
     bank = bank_for(nb, path, all_banks(opts.banks_path()))
     exercises = {q.id: q.variable for q in bank.questions.values() if q.kind == "exercise"}
