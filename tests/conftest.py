@@ -145,9 +145,21 @@ def nothing_left_behind(grace: float = 5.0):
                 p.kill()
             except psutil.Error:
                 pass
-        psutil.wait_procs(left, timeout=5)   # "now killed" means gone: SIGKILL lands asynchronously
+        _wait_dead(left, 5.0)   # "now killed" means dead: a SIGKILL lands asynchronously
         pytest.fail("the test left processes running (now killed):\n  " + "\n  ".join(names),
                     pytrace=False)
+
+
+def _wait_dead(procs: list[psutil.Process], within: float) -> None:
+    """Until each process is gone or a zombie, without reaping it (its parent may wait on it)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            if not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+                return
+        except psutil.Error:
+            pass                              # gone between the two calls: look again
+        time.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)
