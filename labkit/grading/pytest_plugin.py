@@ -12,8 +12,9 @@ Two things happen on top of nbval when ``pytest`` runs the notebooks:
    here, in pytest's process (the lab's own notebooks are trusted, so no checker process is
    started for them; an exercise its check cell already scored on the same function keeps
    that Score: :func:`labkit.grading.grader.grade_lesson_kernel`): a solved notebook must
-   score full marks, an untouched student notebook zero. (The grader's own path — fresh kernel, time limits, the checker process, hostile
-   submissions — is tested on small notebooks in ``tests/grading/test_grade.py``.)
+   score full marks, an untouched student notebook zero. (The grader's own path — fresh
+   kernel, time limits, the checker process, hostile submissions — is tested on small
+   notebooks in ``tests/grading/test_grade.py``.)
 """
 from __future__ import annotations
 
