@@ -41,5 +41,6 @@ class AtomicErrorHandler(ErrorHandler):
 
 
 def record(fn: F) -> F:
-    """``torch.distributed.elastic.multiprocessing.errors.record`` with :class:`AtomicErrorHandler`."""
+    """torch's ``record`` (``torch.distributed.elastic.multiprocessing.errors``), with
+    :class:`AtomicErrorHandler`."""
     return _torch_record(fn, error_handler=AtomicErrorHandler())

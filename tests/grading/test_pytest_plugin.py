@@ -73,7 +73,8 @@ def test_the_grade_item_reuses_a_check_only_for_the_very_function_it_checked(tmp
     quizzes.mkdir()
     (quizzes / "91_reuse.toml").write_text(BANK)
     (quizzes / "logged_checks.py").write_text(CHECKER)
-    check = 'import labkit as lk\ndef answer():\n    return 3\nlk.exercise.check("91.answer", answer)'
+    check = ('import labkit as lk\ndef answer():\n    return 3\n'
+             'lk.exercise.check("91.answer", answer)')
     (tmp_path / "solutions").mkdir()
     for name, cells in (("91_reuse", [check]),
                         ("91_redefined", [check, "def answer():\n    return 4"])):
@@ -82,7 +83,8 @@ def test_the_grade_item_reuses_a_check_only_for_the_very_function_it_checked(tmp
         nb.metadata["labkit"] = {"bank": "91_reuse"}
         nbformat.write(nb, tmp_path / "solutions" / f"{name}.ipynb")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "--nbval-lax", "--nbval-current-env", "-p", "labkit.grading.pytest_plugin",
+                          "--nbval-lax", "--nbval-current-env",
+                          "-p", "labkit.grading.pytest_plugin",
                           "--rootdir", str(tmp_path), str(tmp_path / "solutions")],
                          capture_output=True, text=True, timeout=150, cwd=tmp_path,
                          env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
