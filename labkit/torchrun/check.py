@@ -30,6 +30,7 @@ __all__ = ["check_torchrun_exercise", "oracle", "reference", "last_resume_step",
            "EXERCISE_KWARGS"]
 
 EXERCISE_KWARGS = {"epochs": 2, "batch_size": 32, "lr": 0.1}   # what the checker passes
+LIMIT_S = 120.0   # one launch of the answer: ~15 s alone on 2 cores, several times that when busy
 
 
 def oracle(epochs: int = 2, batch_size: int = 32, lr: float = 0.1, *, set_epoch: bool = True,
@@ -149,7 +150,7 @@ def check_torchrun_exercise(fn) -> list:
     train_ddp_watched.__module__ = getattr(fn, "__module__", __name__)
 
     try:
-        res = run_function(train_ddp_watched, kwargs=kw, nproc_per_node=world, timeout=60,
+        res = run_function(train_ddp_watched, kwargs=kw, nproc_per_node=world, timeout=LIMIT_S,
                            echo=False, env={"CUDA_VISIBLE_DEVICES": ""}, check=False)
     except TorchrunTimeout:
         res = None
@@ -160,7 +161,8 @@ def check_torchrun_exercise(fn) -> list:
     kwtext = ", ".join(f"{k}={v}" for k, v in kw.items())
 
     def runs():
-        assert res is not None, ("it did not finish within 60 s under torchrun: a deadlock? (a "
+        assert res is not None, (f"it did not finish within {LIMIT_S:.0f} s under torchrun: a "
+                                 "deadlock? (a "
                                  "collective that only some ranks call, or init_process_group "
                                  "waiting for ranks that never come)")
         for r in reports:
