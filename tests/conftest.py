@@ -153,12 +153,7 @@ def nothing_left_behind(grace: float = 5.0):
 def _wait_dead(procs: list[psutil.Process], within: float) -> None:
     """Until each process is gone or a zombie, without reaping it (its parent may wait on it)."""
     end = time.monotonic() + within
-    while time.monotonic() < end:
-        try:
-            if not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
-                return
-        except psutil.Error:
-            pass                              # gone between the two calls: look again
+    while [p for p in procs if p.is_running() and not _is_zombie(p)] and time.monotonic() < end:
         time.sleep(0.05)
 
 

@@ -162,9 +162,8 @@ def check_torchrun_exercise(fn) -> list:
 
     def runs():
         assert res is not None, (f"it did not finish within {LIMIT_S:.0f} s under torchrun: a "
-                                 "deadlock? (a "
-                                 "collective that only some ranks call, or init_process_group "
-                                 "waiting for ranks that never come)")
+                                 "deadlock? (a collective that only some ranks call, or "
+                                 "init_process_group waiting for ranks that never come)")
         for r in reports:
             assert r.get("error") is None, (f"rank {r['rank']} failed: "
                                             f"{r['error'].strip().splitlines()[-1]}")
