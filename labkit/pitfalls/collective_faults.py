@@ -270,7 +270,9 @@ def nccl_watchdog(world_size: int = 2, timeout: float = 5.0) -> Outcome:
     work on a CUDA stream; rank 0 then blocks reading the result, and NCCL's
     watchdog thread notices the timeout and tears the process down
     (``TORCH_NCCL_ASYNC_ERROR_HANDLING``). ``NCCL_DEBUG=INFO`` logs to the ranks'
-    stderr; the flight recorder dumps on the timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``).
+    *stdout* (``NCCL_DEBUG_FILE`` redirects it: NVIDIA's NCCL environment variables page),
+    torch's watchdog to their stderr; the flight recorder dumps on the timeout
+    (``TORCH_NCCL_DUMP_ON_TIMEOUT``).
     """
     return scenario("nccl_watchdog", _skipped_collective_step, world_size, timeout=timeout,
                     env=NCCL_ENV, backend="nccl", deadline=timeout + 25.0)
