@@ -270,5 +270,27 @@ def test_an_error_file_cut_short_crashes_the_agent(tmp_path):
     assert "will restart worker group" not in done.stderr        # the restart never happened
 
 
+def test_a_cut_snapshot_fails_torch_load_without_naming_the_cause(tmp_path):
+    """05 "Snapshots that survive a bad disk": “On torch 2.13.0, `torch.load` of a cut file
+    raises `OSError: [Errno 22] Invalid argument` (cut within its first few KiB: `RuntimeError:
+    PytorchStreamReader failed reading zip archive: failed finding central directory`); neither
+    names the cause.”"""
+    import torch
+
+    whole = tmp_path / "snapshot.pt"
+    torch.save({"model": torch.arange(4096.0), "step": 16}, whole)     # 17 KiB
+    data = whole.read_bytes()
+    seen = {}
+    for cut in (1000, len(data) // 2, len(data) - 16):
+        part = tmp_path / f"cut{cut}.pt"
+        part.write_bytes(data[:cut])
+        with pytest.raises((RuntimeError, OSError)) as err:
+            torch.load(part)
+        seen[cut] = f"{type(err.value).__name__}: {err.value}"
+    early, *late = seen.values()
+    assert early.startswith("RuntimeError: PytorchStreamReader failed reading zip archive: "
+                            "failed finding central directory"), early
+    assert all(text == "OSError: [Errno 22] Invalid argument" for text in late), late
+
 def test_the_lab_says_what_these_tests_show():
     _claims.check_quotes(sys.modules[__name__])
