@@ -33,20 +33,41 @@ from ..runtime import run
 
 __all__ = ["measure", "table", "ratios", "plot", "fit", "predict", "at_scale", "scale_table",
            "plot_scale", "main",
-           "IMPLS", "SIZES", "FULL_SIZES", "LINKS", "fmt_bytes"]
+           "IMPLS", "SIZES", "FULL_SIZES", "LINKS", "cluster_link", "fmt_bytes"]
 
 KiB, MiB, GiB = 2 ** 10, 2 ** 20, 2 ** 30
 IMPLS = ("dist.all_reduce", "ring", "naive")
 SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB)                 # the notebook: a few seconds
 FULL_SIZES = tuple(4 ** k * 4 * KiB for k in range(8))        # 4 KiB, 16 KiB .. 64 MiB
-# Published per-GPU link speeds, one direction (bytes/s), and an assumed per-step latency.
+# Published link speeds, one direction (bytes/s), and an assumed per-step latency.
 LINKS = {
     "nvlink": dict(name="NVLink 4 (H100 SXM, inside a node)", bandwidth=450e9, alpha=2e-6,
                    source="NVIDIA H100 datasheet: 900 GB/s NVLink per GPU, both directions"),
-    "infiniband": dict(name="InfiniBand NDR (one 400 Gb/s NIC per GPU, between nodes)",
-                       bandwidth=50e9, alpha=5e-6,
-                       source="NVIDIA DGX H100: 8x ConnectX-7, 400 Gb/s each = 50 GB/s"),
+    "infiniband": dict(name="InfiniBand NDR (one 400 Gb/s NIC; 8 per 8-GPU node)",
+                       bandwidth=50e9, nics_per_node=8, alpha=5e-6,
+                       source="NVIDIA DGX H100: 8x ConnectX-7 per node, 400 Gb/s = 50 GB/s each"),
 }
+
+
+def cluster_link(gpus: int) -> dict:
+    """The link an all-reduce over ``gpus`` H100s runs at (MODEL: see :data:`LINKS`).
+
+    Up to 8 GPUs: one node, NVLink. Beyond: the ring crosses nodes. NCCL runs many channels
+    (rings) at once, and each crosses a node boundary through another NIC, so a node's 8 NICs
+    carry its share of the traffic together: every byte a GPU sends in the ring (2(N-1)/N·S) leaves
+    the node once, through one of 8 NICs, while every GPU also sends that much over NVLink. The
+    busiest link then moves at min(NVLink, NICs per node × NIC) = min(450, 8 × 50) = 400 GB/s, not
+    at one NIC's 50 GB/s (nccl-tests reports cross-node busbw close to NICs × NIC bandwidth:
+    NVIDIA/nccl-tests issues #119, #290, #309). Latency per step is the NIC's α.
+
+    Returns ``{name, bandwidth, alpha}``.
+    """
+    nv, ib = LINKS["nvlink"], LINKS["infiniband"]
+    if gpus <= 8:
+        return {"name": nv["name"], "bandwidth": nv["bandwidth"], "alpha": nv["alpha"]}
+    nics = ib["nics_per_node"] * ib["bandwidth"]
+    return {"name": f"InfiniBand NDR x 8 NICs per node: {min(nv['bandwidth'], nics) / 1e9:g} GB/s",
+            "bandwidth": min(nv["bandwidth"], nics), "alpha": ib["alpha"]}
 
 
 def fmt_bytes(n: float) -> str:
@@ -238,14 +259,14 @@ def fit(rows: list[dict], impl: str = "ring") -> list[dict]:
 
 def at_scale(gpus: Iterable[int] = (8, 16, 64, 256, 1024),
              sizes: Iterable[int] = (MiB, 64 * MiB, GiB)) -> list[dict]:
-    """MODEL PREDICTION for big clusters from published link speeds (:data:`LINKS`).
+    """MODEL PREDICTION for big clusters from published link speeds (:func:`cluster_link`).
 
-    8 GPUs: one node, NVLink. More: the ring crosses nodes, and its slowest link, one
-    InfiniBand NIC per GPU, sets the pace. Rows: gpus, bytes, link, ring_s, tree_s.
+    8 GPUs: one node, NVLink. More: the ring crosses nodes through all 8 NICs of each node at
+    once (NCCL's channels). Rows: gpus, bytes, link, ring_s, tree_s.
     """
     out = []
     for n in gpus:
-        link = LINKS["nvlink" if n <= 8 else "infiniband"]
+        link = cluster_link(n)
         for s in sizes:
             out.append(dict(gpus=n, bytes=s, link=link["name"],
                             ring_s=predict(link["alpha"], 1 / link["bandwidth"], s, n, "ring"),
@@ -262,6 +283,9 @@ def scale_table(rows: list[dict]) -> str:
                    f"{r['tree_s'] * 1e3:>9.3f}  {r['link']}")
     out += [f"  {v['name']}: {v['bandwidth'] / 1e9:g} GB/s per direction ({v['source']}); "
             f"alpha = {v['alpha'] * 1e6:g} us per step (assumed)" for v in LINKS.values()]
+    out.append("  beyond 8 GPUs the ring's channels use every NIC of a node: min(NVLink, 8 NICs)"
+               " = 400 GB/s per GPU (assumed: 8 GPUs and 8 NICs per node, NCCL's channels"
+               " spread evenly)")
     return "\n".join(out)
 
 

@@ -10,9 +10,10 @@ scaling, the usual way DDP jobs grow)::
     exposed  = allreduce - overlap · backward, at least 0           (overlap in 0..1)
     step     = compute + exposed;   efficiency = compute / step
 
-Link speeds are :data:`labkit.collectives.bandwidth.LINKS` (published: NVLink inside a node up
-to 8 GPUs, one InfiniBand NIC per GPU beyond); the GPU's peak and the MFU are assumptions
-(stated in every table). It ignores everything else that makes real jobs slower — stragglers,
+Link speeds are :func:`labkit.collectives.bandwidth.cluster_link` (published: NVLink inside a
+node up to 8 GPUs; beyond, the ring's channels cross nodes through all 8 InfiniBand NICs of a
+node at once, so a GPU's share moves at min(NVLink, 8 NICs) = 400 GB/s); the GPU's peak and the
+MFU are assumptions (stated in every table). It ignores everything else that makes real jobs slower — stragglers,
 the data loader, the optimizer step, a last bucket that cannot overlap — which is the point of
 notebook 07's interview question.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..collectives.bandwidth import LINKS, predict
+from ..collectives.bandwidth import cluster_link, predict
 
 __all__ = ["GPU", "cluster_prediction", "cluster_table"]
 
@@ -48,7 +49,7 @@ def cluster_prediction(params: float, tokens_per_gpu: int, gpus: Iterable[int] =
         if n == 1:
             ar, link = 0.0, "none"
         else:
-            spec = LINKS["nvlink" if n <= 8 else "infiniband"]
+            spec = cluster_link(n)
             ar = predict(spec["alpha"], 1 / spec["bandwidth"], grad_bytes_per_param * params, n)
             link = spec["name"]
         exposed = max(0.0, ar - overlap * compute * 2 / 3)

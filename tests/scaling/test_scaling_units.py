@@ -99,8 +99,11 @@ def test_powersgd_bytes_counts_p_and_q_and_the_vectors():
 def test_cluster_prediction_is_monotone_in_what_it_models():
     rows = cluster_prediction(124e6, 8192, gpus=(1, 8, 64))
     assert rows[0]["efficiency"] == 1.0 and rows[0]["allreduce_s"] == 0.0
-    assert rows[2]["efficiency"] < rows[1]["efficiency"] <= 1.0
-    small = cluster_prediction(124e6, 1024, gpus=(8,))[0]
+    assert rows[2]["allreduce_s"] > rows[1]["allreduce_s"] > 0          # more GPUs, more steps
+    assert rows[2]["efficiency"] == rows[1]["efficiency"] == 1.0        # still hidden: 8 NICs
+    short = cluster_prediction(124e6, 1024, gpus=(8, 64))
+    assert short[1]["efficiency"] < short[0]["efficiency"] < 1.0        # less work: less hidden
+    small = short[0]
     assert small["efficiency"] < rows[1]["efficiency"]         # less work per GPU: less hidden
     none = cluster_prediction(124e6, 8192, gpus=(8,), overlap=0.0)[0]
     assert none["exposed_s"] == pytest.approx(none["allreduce_s"])
