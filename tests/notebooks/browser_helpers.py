@@ -79,8 +79,8 @@ def missing() -> list[str]:
 def lab_command(readme: Path = REPO / "README.md") -> list[str]:
     """The ``jupyter lab ...`` part of the README's lab command, run with this interpreter's env.
 
-    >>> lab_command()[1:3]
-    ['lab', 'notebooks/00_setup.ipynb']
+    >>> lab_command()[1:]
+    ['lab', '--allow-root', '--ServerApp.root_dir=.', 'notebooks/00_setup.ipynb']
     """
     text = readme.read_text(encoding="utf-8")
     m = re.search(r"<!-- lab-command -->(.*?)<!-- /lab-command -->", text, re.S)

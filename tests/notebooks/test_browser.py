@@ -90,6 +90,14 @@ def test_readme_command_opens_an_existing_notebook():
     assert (REPO / target).is_file(), f"the README's lab command opens {target}, which is missing"
 
 
+def test_readme_command_serves_the_whole_repository(lab):
+    """The README sends learners to solutions/ and the cheat sheet: the file browser must reach
+    them (JupyterLab roots itself at the opened notebook's folder unless told otherwise)."""
+    assert lab.root_dir.resolve() == lab.root.resolve()
+    for rel in ("solutions/00_setup.ipynb", "README.md", "notebooks/cheatsheet.md"):
+        assert lab.api("GET", f"/api/contents/{lab.tree_path(rel)}?content=0")
+
+
 def _selfcheck_notebook() -> tuple[nbformat.NotebookNode, dict[str, int]]:
     """A notebook with working quiz, player, plot and progress cells, then four faults."""
     from labkit.grading.bank import all_banks
