@@ -50,7 +50,7 @@ __all__ = ["run", "warmup", "shutdown", "diagnose", "JobResult", "RankResult", "
            "LabkitError", "InvalidJob", "UnsupportedPlatform", "BackendUnavailable", "JobFailed",
            "RankError", "ResultNotPicklable", "RankCrashed", "JobTimeout", "RemoteTraceback",
            *HANDLES]
-__version__ = "0.2.0"
+__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

@@ -3,7 +3,7 @@
 * :func:`gradient_inspector` — each rank's local gradient, the all-reduced
   one, and the single-process oracle side by side (notebook 02, step 5).
 * :func:`timeline` — per-rank lanes of compute and communication spans
-  (:mod:`labkit.timeline` format), e.g. the pipeline bubble (notebook 01) or
+  (:mod:`labkit.common.timeline` format), e.g. the pipeline bubble (notebook 01) or
   all-reduces overlapping backward (notebook 02).
 * :func:`replica_drift`, :func:`checksums`, :func:`shards`, :func:`per_rank` —
   replicas drifting apart or staying identical; what ``DistributedSampler``

@@ -2,7 +2,7 @@
 
 Every part of the lab that runs processes uses these helpers: the rank pool and its zygote
 (:mod:`labkit.runtime.pool`, :mod:`labkit.runtime.zygote`), the grader's kernels
-(:mod:`labkit.grading.kernel`) and the torchrun launcher (:mod:`labkit.torchrun.launcher`).
+(:mod:`labkit.grading.kernel`) and the torchrun launcher (:mod:`labkit.runtime.torchrun`).
 
 * :func:`free_port` — a TCP port on 127.0.0.1 chosen by the OS (never a fixed 29500: two
   kernels would collide).

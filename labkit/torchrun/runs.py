@@ -1,6 +1,6 @@
 """Reading the training script's runs under torchrun: losses per attempt, where each resumed.
 
-:mod:`labkit.train`'s rank 0 logs ``step N/M | epoch E | loss L | attempt A`` and, after a
+:mod:`labkit.torchrun.train`'s rank 0 logs ``step N/M | epoch E | loss L | attempt A`` and, after a
 restart, ``resumed from <snapshot>: step N, ...``. These functions read those lines out of a
 :class:`~labkit.runtime.torchrun_log.Run` (what ``lk.torchrun.run``/``job.wait()`` return) for
 notebook 05 ("Launch it, crash it, kill it").
