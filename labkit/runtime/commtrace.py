@@ -3,8 +3,22 @@
 ``lk.run(fn, n, trace=True)`` records, on every rank and without a change to ``fn``, every
 collective and point-to-point operation that reaches PyTorch's dispatcher: ``dist.*`` calls,
 methods of a ``ProcessGroup`` object (``group.allreduce([t])``), functional collectives, and the
-ones PyTorch's own C++ issues (DDP's bucket all-reduces, a comm hook's, FSDP2's). The job's
+ones PyTorch's own C++ issues (DDP's bucket all-reduces, a comm hook's, FSDP2's), from the
+job's thread, every thread started while it runs and every future callback. The job's
 :class:`~labkit.runtime.result.JobResult` then has ``res.trace``, a :class:`CommTrace`.
+
+Exactly what is seen: an op is recorded when it reaches the dispatcher in a thread where the
+recorder's dispatch mode is active, which is (1) the thread that entered the recorder, (2) every
+thread started through Python (``threading``, ``concurrent.futures``, ``_thread``) while it
+is active, (3) every callback of ``Future.then`` / ``add_done_callback`` registered while it
+is active, wherever it runs (often gloo's own thread), and (4) threads to which torch carries
+its thread-local state (the autograd engine's). Not seen: a call on a backend object directly
+(``group._get_backend(device).allreduce(...)`` skips the dispatcher), code that switches
+dispatch modes off, threads that existed before the recorder was entered, threads started
+outside Python, and bytes that leave the process another way (the store, a file, a socket). A
+checker that must know how an answer's result came about therefore also checks what only the
+recorded route produces (``labkit.scaling.check``: the gradients are exactly what the recorded
+fp16 all-reduce produced from each rank's share).
 
 How it sees them. :class:`CommRecorder` pushes a ``TorchDispatchMode`` that notes each
 ``c10d::*`` / ``_c10d_functional::*`` op as it is issued, and learns when it finished:
@@ -21,8 +35,15 @@ How it sees them. :class:`CommRecorder` pushes a ``TorchDispatchMode`` that note
 Ops issued from a future's callback (PowerSGD all-reduces its P and Q matrices from
 ``fut.then(...)`` callbacks) run on whichever thread completes the future, often gloo's own,
 where the dispatch mode is not active (a dispatch mode is per thread): while recording,
-``Future.then`` is wrapped so that each callback runs with the recorder active in its thread.
-Without that, PowerSGD's P and Q all-reduces went unseen in about half of the steps (measured).
+``Future.then`` and ``Future.add_done_callback`` are wrapped so that each callback runs with the
+recorder active in its thread. Without that, PowerSGD's P and Q all-reduces went unseen in about
+half of the steps (measured). Thread starts are wrapped the same way (``_thread.start_new_thread``
+and ``threading``'s reference to it): a helper thread's collectives are recorded too.
+
+``CommRecorder(keep_tensors=True)`` (for checkers, not ``lk.run``) also keeps, per record,
+``"sent"``: copies of the op's input tensors taken before it ran, and ``"received"``: copies of
+what it produced, taken when it finished (the value of its ``Work``'s future, or the tensor at
+``wait_tensor``); ``None`` where that end is not observed (gloo's send/recv).
 
 Times are ``time.perf_counter()`` (Linux: the system-wide monotonic clock), so the ranks share
 one time axis. On NCCL the end of a collective is when the CPU learned that it was enqueued,
@@ -88,17 +109,20 @@ _KEEP_WORKS = 512        # works remembered for wait() spans (a window: tensors 
 
 _active: list["CommRecorder"] = []
 _active_lock = threading.Lock()
-_original_wait = None
+_originals: list[tuple[Any, str, Any]] = []     # (owner, name, original) while recording
 _original_then = None
 
 
 # ------------------------------------------------------------------- the rank side
 class CommRecorder:
-    """Record every collective and point-to-point op this rank issues inside ``with``.
+    """Record every collective and point-to-point op this rank issues inside ``with``, from
+    this thread, threads started inside the block and future callbacks (module docstring).
 
     Args:
         rank: stored in every record (default: this process's global rank).
         max_records: stop recording after this many (``dropped`` counts the rest).
+        keep_tensors: also keep copies of what each op sent and received (``"sent"``,
+            ``"received"``; see the module docstring).
 
     Example (inside a rank; ``lk.run(..., trace=True)`` does this around the whole job)::
 
@@ -107,8 +131,9 @@ class CommRecorder:
         rec.records        # [{"kind": "all_reduce", "bytes": ..., "start": ..., ...}]
     """
 
-    def __init__(self, rank: int | None = None, max_records: int = 200_000) -> None:
-        self.rank, self.max_records = rank, max_records
+    def __init__(self, rank: int | None = None, max_records: int = 200_000,
+                 keep_tensors: bool = False) -> None:
+        self.rank, self.max_records, self.keep_tensors = rank, max_records, keep_tensors
         self.records: list[dict] = []
         self.label, self.dropped = "", 0
         self._works: OrderedDict[int, tuple[Any, dict]] = OrderedDict()
@@ -161,13 +186,21 @@ class CommRecorder:
             self.label = old
 
     # -- called by the dispatch mode and by Work.wait
-    def _issued(self, func, args, kwargs, out, start: float) -> None:
+    def _before(self, func, args, kwargs) -> list | None:
+        """Copies of the op's input tensors, taken before it runs (``keep_tensors`` only)."""
+        if not self.keep_tensors or func._schema.name.split("::")[-1] in _SKIP:
+            return None
+        return [t.detach().clone() for t in _inputs(_bind(func, args, kwargs))]
+
+    def _issued(self, func, args, kwargs, out, start: float, sent: list | None = None) -> None:
         op = func._schema.name.split("::")[-1]
         if op in _SKIP:
             if op == "wait_tensor" and args:
                 rec = self._tensors.pop(_key(args[0]), None)
                 if rec is not None and rec["end"] is None:
                     rec["end"] = time.perf_counter()
+                    if self.keep_tensors:
+                        rec["received"] = _copies(args[0])
             return
         if len(self.records) >= self.max_records:
             self.dropped += 1
@@ -180,6 +213,8 @@ class CommRecorder:
                "group_size": size, "group_ranks": ranks, "peer": _peer(kind, bound, ranks),
                "label": self.label, "start": start, "end": None, "wait_start": None,
                "wait_end": None, "thread": threading.current_thread().name}
+        if self.keep_tensors:
+            rec["sent"], rec["received"] = sent, None
         self.records.append(rec)
         if func.namespace == "_c10d_functional":
             self._tensors[_key(out[0] if isinstance(out, (list, tuple)) else out)] = rec
@@ -204,9 +239,14 @@ class CommRecorder:
             return
         rec["_future"] = True
 
-        def done(_fut, rec=rec):
+        def done(_fut, rec=rec, keep=self.keep_tensors):
             rec["end"] = time.perf_counter()
             rec["_future"] = False
+            if keep:
+                try:
+                    rec["received"] = _copies(_fut.value())
+                except Exception:  # noqa: BLE001  (the op failed: it received nothing)
+                    pass
         (_original_then or type(fut).then)(fut, done)
 
     def _waited(self, work, t0: float, t1: float) -> None:
@@ -261,24 +301,30 @@ def _mode_class():
                 return False
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.namespace not in _NAMESPACES:
-                    return func(*args, **(kwargs or {}))
+                recorder = self.recorder
+                if func.namespace not in _NAMESPACES or recorder not in _active:
+                    return func(*args, **(kwargs or {}))   # (a thread that outlived the block)
+                sent = recorder._before(func, args, kwargs)
                 start = time.perf_counter()
                 out = func(*args, **(kwargs or {}))
-                self.recorder._issued(func, args, kwargs, out, start)
+                recorder._issued(func, args, kwargs, out, start, sent)
                 return out
         _mode_cls = _CommMode
     return _mode_cls
 
 
 def _patch() -> None:
-    """Wrap ``Work.wait`` (wait spans, p2p ends) and ``Future.then`` (callbacks recorded)."""
-    global _original_wait, _original_then
+    """While recording: wrap ``Work.wait`` (wait spans, p2p ends), the callbacks of
+    ``Future.then`` / ``add_done_callback`` and the start of every Python thread, so that a
+    callback or a new thread runs with the active recorders in its own thread too."""
+    global _original_then
+    import _thread
+
     import torch
     from torch._C._distributed_c10d import Work
 
-    _original_wait, _original_then = Work.wait, torch._C.Future.then
-    wait_, then_ = _original_wait, _original_then
+    wait_ = Work.wait
+    then_, add_done_ = torch._C.Future.then, torch._C.Future.add_done_callback
 
     def wait(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -290,26 +336,50 @@ def _patch() -> None:
                 rec._waited(self, t0, t1)
 
     def then(self, callback):
-        recorders = list(_active)
-        if not recorders:
-            return then_(self, callback)
+        return then_(self, _carrying(callback))
 
-        def traced(fut):
-            with _recording_here(recorders):
-                return callback(fut)
-        return then_(self, traced)
+    def add_done_callback(self, callback):
+        return add_done_(self, _carrying(callback))
+
+    def starting(start_):
+        def start(function, *args, **kwargs):
+            return start_(_carrying(function), *args, **kwargs)
+        start.__doc__ = start_.__doc__
+        return start
+
     wait.__doc__, then.__doc__ = wait_.__doc__, then_.__doc__
-    Work.wait, torch._C.Future.then = wait, then
+    add_done_callback.__doc__ = add_done_.__doc__
+    _original_then = then_
+    patches = [(Work, "wait", wait), (torch._C.Future, "then", then),
+               (torch._C.Future, "add_done_callback", add_done_callback)]
+    patches += [(owner, name, starting(getattr(owner, name)))     # Python 3.11: start_new_thread
+                for owner, name in ((_thread, "start_new_thread"), (threading, "_start_new_thread"),
+                                    (_thread, "start_joinable_thread"),
+                                    (threading, "_start_joinable_thread"))
+                if hasattr(owner, name)]
+    for owner, name, new in patches:
+        _originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
 
 
 def _unpatch() -> None:
-    global _original_wait, _original_then
-    if _original_wait is not None:
-        import torch
-        from torch._C._distributed_c10d import Work
+    global _original_then
+    while _originals:
+        owner, name, original = _originals.pop()
+        setattr(owner, name, original)
+    _original_then = None
 
-        Work.wait, torch._C.Future.then = _original_wait, _original_then
-        _original_wait = _original_then = None
+
+def _carrying(fn):
+    """``fn``, run with the recorders active now also active in whichever thread runs it."""
+    recorders = list(_active)
+    if not recorders:
+        return fn
+
+    def traced(*args, **kwargs):
+        with _recording_here(recorders):
+            return fn(*args, **kwargs)
+    return traced
 
 
 @contextmanager
@@ -319,13 +389,17 @@ def _recording_here(recorders: list[CommRecorder]) -> Iterator[None]:
 
     here = {id(m.recorder) for m in _get_current_dispatch_mode_stack()
             if isinstance(m, _mode_class())}
-    modes = [_mode_class()(r) for r in recorders if id(r) not in here and r in _active]
-    for m in modes:
-        m.__enter__()
+    entered = []
+    try:
+        for m in (_mode_class()(r) for r in recorders if id(r) not in here and r in _active):
+            m.__enter__()
+            entered.append(m)
+    except Exception:  # noqa: BLE001  (a thread or callback must run even unrecorded)
+        pass
     try:
         yield
     finally:
-        for m in reversed(modes):
+        for m in reversed(entered):
             m.__exit__(None, None, None)
 
 
@@ -343,6 +417,18 @@ def _tensors(value) -> list:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+def _inputs(bound: dict) -> list:
+    """The tensors an op is given to send or reduce (its first tensor argument)."""
+    for key in ("tensors", "tensor", "input", "inputs", "input_tensor", "input_tensors"):
+        if ts := _tensors(bound.get(key)):
+            return ts
+    return []
+
+
+def _copies(value) -> list:
+    return [t.detach().clone() for t in _tensors(value)]
 
 
 def _nbytes(tensors) -> int:
@@ -399,11 +485,8 @@ def _payload(kind: str, bound: dict, n: int) -> int:
 
 
 def _dtype(bound: dict) -> str:
-    for key in ("tensors", "tensor", "input", "inputs", "input_tensor", "input_tensors"):
-        ts = _tensors(bound.get(key))
-        if ts:
-            return str(ts[0].dtype)
-    return ""
+    ts = _inputs(bound)
+    return str(ts[0].dtype) if ts else ""
 
 
 def _peer(kind: str, bound: dict, ranks: tuple[int, ...]) -> int | None:

@@ -144,23 +144,86 @@ def test_chrome_trace_export_is_valid_trace_event_json(tmp_path):
 
 
 def dispatch_state(rank, world_size):
+    import threading
+
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import Work
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     dist.all_reduce(torch.ones(4))
-    return [type(m).__name__ for m in _get_current_dispatch_mode_stack()], Work.wait.__module__
+    patched = (Work.wait, torch._C.Future.then, torch._C.Future.add_done_callback,
+               threading._start_new_thread)
+    return ([type(m).__name__ for m in _get_current_dispatch_mode_stack()],
+            [getattr(f, "__module__", None) for f in patched])
 
 
 def test_trace_false_installs_nothing_and_trace_true_cleans_up():
     plain = lk.run(dispatch_state, 2, echo=False)
     assert plain.trace is None and all(r.trace is None for r in plain.ranks)
     traced = lk.run(dispatch_state, 2, trace=True, echo=False)
-    modes, wait_module = traced.values[0]
-    assert modes == ["_CommMode"] and wait_module == "labkit.runtime.commtrace"
+    modes, modules = traced.values[0]
+    assert modes == ["_CommMode"] and modules == ["labkit.runtime.commtrace"] * 4
     after = lk.run(dispatch_state, 2, echo=False)              # the same warm ranks
     assert after.values == [([], plain.values[0][1])] * 2 and plain.values[0][0] == []
+    assert "labkit.runtime.commtrace" not in plain.values[0][1]
+
+
+def other_threads(rank, world_size):
+    """Collectives from a threading.Thread, a raw _thread and an add_done_callback callback
+    (gloo's own thread), each waited for before the next, so every rank issues the same order."""
+    import _thread
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    worker = threading.Thread(target=lambda: dist.all_reduce(torch.ones(3)), name="helper")
+    worker.start()
+    worker.join()
+    done, works = threading.Event(), []
+    _thread.start_new_thread(lambda: (dist.all_reduce(torch.ones(5)), done.set()), ())
+    done.wait(10)
+    done.clear()
+    fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
+    fut.add_done_callback(lambda _: (works.append(dist.all_reduce(torch.ones(7),
+                                                                 async_op=True)), done.set()))
+    done.wait(10)
+    works[0].wait()
+    return [threading.current_thread().name]
+
+
+def test_collectives_from_every_python_thread_and_callback_are_recorded():
+    res = lk.run(other_threads, 2, trace=True, echo=False)
+    for rank in range(2):
+        recs = res.trace[rank]
+        assert [r["bytes"] for r in recs] == [12, 20, 8, 28], recs
+        threads = [r["thread"] for r in recs]
+        main = res.values[rank][0]
+        assert threads[0] == "helper" and threads[2] == main
+        assert threads[1] not in (main, "helper") and threads[3] != main
+
+
+def kept_tensors(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from labkit.runtime.commtrace import CommRecorder
+
+    t = torch.full((4,), float(rank + 1), dtype=torch.float16)
+    with CommRecorder(keep_tensors=True) as tap:
+        dist.all_reduce(t)
+        t.fill_(-1.0)                        # what the op sent and received stays as it was
+    with CommRecorder() as plain:
+        dist.all_reduce(t)
+    [rec] = tap.records
+    return ([x.tolist() for x in rec["sent"]], [x.tolist() for x in rec["received"]],
+            "sent" in plain.records[0])
+
+
+def test_keep_tensors_copies_what_an_op_sent_before_it_ran_and_what_it_received():
+    res = lk.run(kept_tensors, 2, echo=False)
+    assert res.values == [([[1.0] * 4], [[3.0] * 4], False), ([[2.0] * 4], [[3.0] * 4], False)]
 
 
 def test_trace_must_be_a_bool():
