@@ -1,9 +1,12 @@
-"""Adam and SGD with momentum written out: the optimizer state ZeRO shards (notebook 06 §1, §4, §12).
+"""Adam and SGD with momentum written out: the optimizer state ZeRO shards (notebook 06 §1, §4,
+§12).
 
 These compute exactly what ``torch.optim.Adam`` and ``torch.optim.SGD(momentum=...)`` compute
-with their default (single-tensor, non-fused) arithmetic (``tests/sharding/test_sharding.py`` checks it
-bit for bit), and they take the same constructor arguments, so a learner's sharded optimizer
-can be handed either. Two reasons to have them:
+with their default (single-tensor, non-fused) arithmetic (``tests/sharding/test_sharding.py``
+checks it bit for bit), and they take the same constructor arguments, so a learner's sharded
+optimizer can be handed either. :func:`adam_update` and :func:`sgd_update` are one step of one
+tensor, elementwise: run on a shard, they update that shard exactly as the whole-tensor step
+would (what :class:`labkit.sharding.zero.HandZero` does). Two reasons to have them:
 
 * the state is plain to see: Adam keeps ``exp_avg`` and ``exp_avg_sq`` (2 floats per
   parameter element, 8Ψ bytes in fp32) and a ``step`` counter; SGD keeps ``momentum_buffer``;
@@ -23,7 +26,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["Adam", "SGD", "adam_update"]
+__all__ = ["Adam", "SGD", "adam_update", "sgd_update"]
 
 
 @torch.no_grad()
@@ -42,6 +45,22 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, state: dict, lr: float,
     step_size = lr / (1 - beta1 ** step)
     denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
     param.addcdiv_(state["exp_avg"], denom, value=-step_size)
+
+
+@torch.no_grad()
+def sgd_update(param: torch.Tensor, grad: torch.Tensor, state: dict, lr: float,
+               momentum: float = 0.0) -> None:
+    """One SGD step of ``param`` in place, with momentum when ``momentum`` is not 0 (dampening
+    0, no Nesterov, like ``torch.optim.SGD``): ``state["momentum_buffer"]`` is created on the
+    first call as a copy of ``grad``."""
+    if momentum:
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = grad.clone()
+        else:
+            buf.mul_(momentum).add_(grad)
+        grad = buf
+    param.add_(grad, alpha=-lr)
 
 
 class _Optimizer:
@@ -85,18 +104,7 @@ class SGD(_Optimizer):
                  momentum: float = 0.0) -> None:
         super().__init__(params, lr=lr, momentum=momentum)
 
-    @torch.no_grad()
     def step(self) -> None:
-        lr, momentum = self.defaults["lr"], self.defaults["momentum"]
         for p in self.params:
-            if p.grad is None:
-                continue
-            d = p.grad
-            if momentum:
-                state = self.state.setdefault(p, {})
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = d.clone()
-                else:
-                    state["momentum_buffer"].mul_(momentum).add_(d)
-                d = state["momentum_buffer"]
-            p.add_(d, alpha=-lr)
+            if p.grad is not None:
+                sgd_update(p, p.grad, self.state.setdefault(p, {}), **self.defaults)
