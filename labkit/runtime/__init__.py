@@ -7,7 +7,8 @@
 * :mod:`~labkit.runtime.result`, :mod:`~labkit.runtime.errors`, :mod:`~labkit.runtime.stacks`
   — what a job hands back, the errors that name the rank, where a hung rank is stuck;
 * :mod:`~labkit.runtime.commtrace` / :mod:`~labkit.runtime.commview` — ``lk.run(...,
-  trace=True)``: every collective of every rank recorded in the ranks, read in the notebook;
+  trace=True)``: the collectives of every rank that reach the dispatcher, recorded in the ranks
+  (:mod:`labkit.runtime.commtrace` says exactly what it sees), read in the notebook;
 * :mod:`~labkit.runtime.procs` — free ports, parent-death signals, killing and reaping
   (also used by the grader's kernels and the torchrun launcher).
 
