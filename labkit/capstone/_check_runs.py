@@ -9,7 +9,9 @@
   asked, rank 1 is SIGKILLed after step :data:`KILL_AFTER` and torchrun restarts
   the group once.
 * :func:`start_reshard` — ``torchrun --nproc-per-node=1`` resuming a checkpoint the
-  learner's code wrote on 2 ranks (started as soon as that checkpoint exists).
+  learner's code wrote on 2 ranks (started as soon as that checkpoint exists), a copy
+  with every floating-point tensor doubled (:func:`disguise_checkpoint`): a load that
+  restores anything but what the folder holds (a file of its own elsewhere) shows.
 
 Every wait has a limit: no output for :data:`STEP_IDLE_S` seconds while steps are
 being logged (a deadlocked collective), or for :data:`IDLE_S` seconds otherwise
@@ -33,7 +35,8 @@ from ..torchrun.train import parse_log
 from . import probes
 
 __all__ = ["ARGV", "SCRIPT", "KILL_AFTER", "Reference", "reference", "LearnerRun", "learner_run",
-           "start_reshard", "finish", "digest", "ship", "first_error"]
+           "start_reshard", "finish", "digest", "ship", "first_error", "doubled",
+           "disguise_checkpoint"]
 
 SCRIPT = "labkit.capstone.train_gpt"
 # 3000 bytes of text: 84 training windows, 9 validation windows (2 ranks pad one duplicate).
@@ -131,12 +134,18 @@ def digest(pieces: dict) -> str:
 
 
 def ship(pieces: dict, probe_dir: Path, path: Path) -> Path:
-    """Write the ``--pieces`` file: the learner's functions (by value), eval and load probed."""
-    shipped = {"all_reduce_sums": functools.partial(probes.reduce_probe,
-                                                    pieces["all_reduce_sums"], str(probe_dir)),
+    """Write the ``--pieces`` file: the learner's functions (by value), eval and load probed,
+    the project's own functions guarded (:class:`.probes.Guard`, unpickled first), the
+    evaluation's disguise drawn from a secret of this grading."""
+    import secrets
+
+    guard, folder = probes.Guard(str(probe_dir)), str(probe_dir)
+    shipped = {"all_reduce_sums": functools.partial(probes.reduce_probe, guard,
+                                                    pieces["all_reduce_sums"], folder,
+                                                    secrets.randbits(62)),
                "save_checkpoint": pieces["save_checkpoint"],
-               "load_checkpoint": functools.partial(probes.load_probe,
-                                                    pieces["load_checkpoint"], str(probe_dir))}
+               "load_checkpoint": functools.partial(probes.load_probe, guard,
+                                                    pieces["load_checkpoint"], folder)}
     path.write_bytes(_by_value(pieces, shipped))
     return path
 
@@ -229,15 +238,66 @@ def learner_run(pieces: dict, work: Path, kill: bool,
     return _finish(job, result)
 
 
+def doubled(obj):
+    """``obj`` with every floating-point tensor in it times 2 (exact); nothing else changed."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v * 2 if isinstance(v, torch.Tensor) and v.is_floating_point()
+                    else v, obj)
+
+
+def disguise_checkpoint(folder: Path) -> list[str]:
+    """Double every floating-point tensor that checkpoint ``folder`` holds (a DCP checkpoint,
+    torch.save files) and commit it again; what was changed ([]: nothing the checker reads)."""
+    import json
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    from ..common.checkpoints import MANIFEST, Checkpoints
+
+    changed = []
+    for path in sorted(folder.rglob("*.pt")):
+        try:
+            obj = torch.load(path, weights_only=False)
+        except Exception:  # noqa: BLE001  (not a torch.save file: left as it is)
+            continue
+        torch.save(doubled(obj), path)
+        changed.append(path.name)
+    if (folder / ".metadata").exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            whole = Path(tmp) / "whole.pt"
+            dcp_to_torch_save(folder, whole)
+            torch.save(doubled(torch.load(whole, weights_only=False)), whole)
+            for path in folder.iterdir():
+                if path.name == ".metadata" or path.suffix == ".distcp":
+                    path.unlink()
+            torch_save_to_dcp(whole, folder)
+        changed.append("the DCP checkpoint")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    Checkpoints(folder.parent, keep=1 << 20).commit(manifest["step"], manifest["meta"])
+    return changed
+
+
 def start_reshard(pieces: dict, work: Path, checkpoint: Path) -> tuple[Job, LearnerRun]:
-    """Start torchrun on 1 rank resuming ``checkpoint`` (written by 2 ranks); finish() it."""
+    """Start torchrun on 1 rank resuming a disguised copy of ``checkpoint`` (written by 2
+    ranks, see :func:`disguise_checkpoint`); finish() it. ``notes``: what the copy is."""
     out, probe_dir = work / "run", work / "probes"
     probe_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(checkpoint, out / "checkpoints" / checkpoint.name)
+    copy = out / "checkpoints" / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    try:
+        notes = [f"doubled: {', '.join(changed)}" if (changed := disguise_checkpoint(copy))
+                 else "not disguised: the folder holds no DCP checkpoint or torch.save file"]
+    except Exception as e:  # noqa: BLE001  (the learner's files: anything can be wrong)
+        notes = [f"not disguised: the checker could not read the checkpoint ({type(e).__name__}:"
+                 f" {e})"]
     shipped = ship(pieces, probe_dir, work / "pieces.pkl")
     args = ARGV + ["--out-dir", str(out), "--pieces", str(shipped)]
-    return launch(SCRIPT, args, nproc_per_node=1, echo=False, env=ENV), LearnerRun(None, out,
-                                                                                  probe_dir)
+    return launch(SCRIPT, args, nproc_per_node=1, echo=False, env=ENV), LearnerRun(
+        None, out, probe_dir, notes=notes)
 
 
 def finish(started: tuple[Job, LearnerRun]) -> LearnerRun:

@@ -12,19 +12,30 @@ per set of pieces (:mod:`._check_runs`) and reused:
 (b) ``08.resumes``: rank 1 is SIGKILLed after step 4; torchrun restarts, the
     run resumes from step 3 with the learner's load, every later loss and the
     final parameters are bit-identical to the checker's uninterrupted run;
-(c) ``08.evaluates``: on every rank, the learner's reduction of that rank's
-    windows equals one process evaluating the same parameters (``==``);
-(d) ``08.reshards``: the learner's 2-rank checkpoint, loaded by the learner's
-    load on 1 rank (``--nproc-per-node=1``), holds bit for bit the model and
-    optimizer state of the checker's run at that step, and training goes on.
+(c) ``08.evaluates``: the script's window losses equal one process evaluating the
+    same parameters, and on every rank the learner's reduction returns exactly the
+    sums of what the ranks were given (each loss disguised by a per-grading
+    secret: evaluating again on every rank does not give it), through at least
+    one collective (not the store or a file); a wrong result is told which known
+    mistake it matches, or only what is wrong with it;
+(d) ``08.reshards``: the learner's 2-rank checkpoint, every floating-point
+    tensor in it doubled by the checker (so that only a load that reads the
+    folder gets it right), loaded by the learner's load on 1 rank
+    (``--nproc-per-node=1``), holds bit for bit the model and optimizer state of
+    the checker's run at that step, doubled, and training goes on.
 
 Nothing the learner's code reports is trusted: the numbers come from the
 project's own script and from probes around the learner's functions
-(:mod:`.probes`), and are compared with the checker's own runs. A case the
+(:mod:`.probes`), and are compared with the checker's own runs. Pieces that call
+the project's own implementations (however they reach them) fail the item they
+serve. State kept in memory cannot pass: every attempt and the 1-rank run are
+new processes. What is not seen: the payload of the collectives an evaluation
+runs (a dummy collective beside a store would pass (c)'s last test). A case the
 checker cannot verify fails and says why. Also here: the quiz keys.
 """
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -34,7 +45,7 @@ from ..grading.exercise import Case, case
 from ..runtime.torchrun_log import Run
 from ..torchrun.runs import losses, resumes
 from . import _check_runs as R
-from .probes import read_evals, read_loads
+from .probes import read_evals, read_guarded, read_loads
 
 __all__ = ["ITEMS", "grade", "check_trains", "check_resumes", "check_evaluates",
            "check_reshards", "pieces_of", "last_resume_step", "steps_done_twice",
@@ -226,6 +237,10 @@ def _after_load(loads: list[dict], saved: dict | None, rng: bool) -> str:
         return "load_checkpoint raised or never returned on some rank"
     zero = next((r for r in loads if r["rank"] == 0), None)
     wrong = []
+    if all(r.get("unchanged") for r in loads):
+        wrong.append("the model is exactly as the script built it before the load: nothing was "
+                     "restored from the checkpoint (state kept in memory is gone: every attempt "
+                     "and the 1-rank run are new processes; read the checkpoint folder)")
     if zero is not None:
         if d := _difference(zero["model"], saved["model"], "model"):
             wrong.append(f"the model's parameters are not the saved ones ({d})")
@@ -247,6 +262,8 @@ def _after_load(loads: list[dict], saved: dict | None, rng: bool) -> str:
 def _resumes(first: R.LearnerRun, ref: R.Reference) -> str:
     assert first.killed, (f"could not be verified: the run never got past step {R.KILL_AFTER}, "
                           f"where rank 1 is SIGKILLed (see (a)): {_why(first)}")
+    _not_the_projects(first, "save_checkpoint and load_checkpoint",
+                      "labkit.capstone.sharded_checkpoint.")
     run = first.run
     starts = resumes(run)
     restart = next((ln.t for ln in run.agent_lines() if "restart_count=1" in ln.text),
@@ -277,6 +294,13 @@ def _resumes(first: R.LearnerRun, ref: R.Reference) -> str:
             f"checker's uninterrupted run")
 
 
+def _not_the_projects(run: R.LearnerRun, piece: str, prefix: str) -> None:
+    """Fail when the learner's pieces called the project's own ``prefix...`` functions."""
+    used = sorted(u for u in read_guarded(run.probes) if u.startswith(prefix))
+    assert not used, (f"your pieces called {', '.join(used)}: the project's own implementation "
+                      f"(the checker's oracle) did the work of {piece}. Write your own")
+
+
 # ------------------------------------------------------------------ (c) evaluates
 def _oracle(model_state: dict) -> tuple[list[float], float, int]:
     """One process, the same parameters: each window's loss, the mean, the number of windows."""
@@ -300,8 +324,74 @@ def _oracle(model_state: dict) -> tuple[list[float], float, int]:
     return seen, result.loss, result.windows
 
 
-def _judge(records: list[dict], oracle: list[float], want: float, n: int, when: str) -> str:
-    """Compare every rank's recorded result with the one-process number; "" or what is wrong."""
+def _sums(records: list[dict], key: str, real_only: bool = True) -> list[tuple[float, int]]:
+    """Each rank's (sum, count) of ``key``'s losses: the real windows, or all with padding."""
+    return [(math.fsum(x for x, k in zip(r[key], r["real"]) if k or not real_only),
+             sum(r["real"]) if real_only else len(r["real"])) for r in records]
+
+
+def _mistakes(records: list[dict]) -> list[tuple[Callable, str]]:
+    """Known wrong reductions: (does rank i's result (sum, count) match it?, what it is).
+
+    Everything is computed from what each rank was given ("given") and what the script
+    computed ("losses"), so that only what an answer really did matches.
+    """
+    world = len(records)
+    own, padded = _sums(records, "given"), _sums(records, "given", real_only=False)
+    total, total_padded = [tuple(map(sum, zip(*x))) for x in (own, padded)]
+    undisguised = tuple(map(sum, zip(*_sums(records, "losses"))))
+    pad = total_padded[1] - total[1]
+
+    def every(pair):
+        return lambda i, s, c: _near(s, pair[0]) and c == int(pair[1])
+
+    def each(pairs):
+        return lambda i, s, c: _near(s, pairs[i][0]) and c == int(pairs[i][1])
+
+    means = [s / c for s, c in own]
+    out = [
+        (every(undisguised), "That is the sum over every window of the losses the script "
+         "computed, not of the losses each rank's all_reduce_sums was given (the checker gives "
+         "every rank its own numbers): the evaluation was done again, not split over the ranks. "
+         "Add only this rank's given window_losses, then dist.all_reduce the sums"),
+        (each(own), "Each rank returned its own windows only: add the sums over the ranks "
+         "(dist.all_reduce)"),
+        (every(total_padded), f"{total_padded[1]} windows were counted, {pad} of them "
+         f"DistributedSampler's padding duplicates: count only the windows where real is True"),
+        (every((total_padded[0], total[1])), "The count is right, but the sum adds the losses "
+         "of DistributedSampler's padding duplicates too: add only window_losses[real]"),
+        (every((total[0], total_padded[1])), f"The sum is right, but the count includes the "
+         f"{pad} padding duplicate(s): count only the windows where real is True"),
+        (each([(world * s, world * c) for s, c in own]), f"Each rank returned {world} x its own "
+         f"sums: multiplying by the world size is not adding the other ranks' windows "
+         f"(dist.all_reduce with ReduceOp.SUM)"),
+        (every((total[0] / world, total[1] / world)), "The sums were averaged over the ranks "
+         "(ReduceOp.AVG, or divided by the world size): add them (ReduceOp.SUM)"),
+        (every((total[0] / total[1], total[1])), "The first number is the mean, not the sum: "
+         "return the sum (the script divides by the count)"),
+        (lambda i, s, c: c > 0 and _near(s / c, sum(means) / world), "That is the average of "
+         "each rank's mean: ranks with fewer real windows weigh too much. Add sums and counts, "
+         "then divide once"),
+        (lambda i, s, c: c == total[1] and s != total[0]
+         and abs(s / c - total[0] / total[1]) <= 1e-6 * abs(total[0] / total[1]),
+         "Close, not equal: add in float64 (a float32 sum rounds); one process and N ranks then "
+         "give the same bits"),
+    ]
+    for j, (s, c) in enumerate(own):
+        out.append((every((world * s, world * c)), f"Every rank got {world} x rank {j}'s own "
+                    f"sums: rank {j}'s numbers were counted {world} times and the other ranks' "
+                    f"never (a broadcast from rank {j} times the world size?). Add each rank's "
+                    f"own sums (dist.all_reduce with ReduceOp.SUM)"))
+    return out
+
+
+def _near(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _judge(records: list[dict], oracle: list[float], n: int, when: str) -> str:
+    """Compare every rank's recorded result with the exact sum of what the ranks were given
+    ("" or what is wrong): name the known mistake it matches, or only what is wrong."""
     from .evaluate import rank_windows
 
     world = records[0]["world"]
@@ -311,37 +401,43 @@ def _judge(records: list[dict], oracle: list[float], want: float, n: int, when: 
             f"could not be verified: at {when} the script gave rank {rec['rank']} other window "
             f"losses than one process computes for the same parameters (training differed: "
             f"see (a))")
-    def right(r: dict) -> bool:
-        out = r["out"]
-        return isinstance(out, list) and out[1] == n and out[0] / out[1] == want
-
-    wrong = [r for r in records if not right(r)]
+    for rec in records:
+        if not isinstance(rec["out"], list):
+            return (f"at {when}, rank {rec['rank']}'s all_reduce_sums returned {rec['out']}, "
+                    f"not (sum, count)")
+    right = tuple(map(sum, zip(*_sums(records, "given"))))      # exact: float64 of float32s
+    wrong = [r for r in records if not (r["out"][1] == n and r["out"][0] == right[0])]
     if not wrong:
-        return ""
+        assert all(r["collectives"] is not None for r in records), (
+            f"could not be verified: at {when} the right sums came back, but this torch does "
+            f"not number the collectives of its process groups, so the checker cannot tell an "
+            f"all-reduce from a side channel")
+        silent = [r["rank"] for r in records if r["collectives"] < 1]
+        return "" if not silent else (
+            f"at {when} every rank returned the right sums, but rank {silent[0]}'s "
+            f"all_reduce_sums ran no collective on any process group: the numbers reached it "
+            f"another way (the process group's store, a file, a socket: a side channel). Add "
+            f"them with dist.all_reduce")
     bad = wrong[0]
     got = bad["out"]
-    if not isinstance(got, list):
-        return f"rank {bad['rank']}'s all_reduce_sums returned {got}, not (sum, count)"
-    mine = [(sum(x for x, k in zip(r["losses"], r["real"]) if k), sum(r["real"])) for r in records]
-    mean = got[0] / got[1] if got[1] else float("nan")
-    head = (f"at {when}, rank {bad['rank']} got val loss {mean!r} from ({got[0]!r}, {got[1]}); "
-            f"one process: {want!r} over {n} windows")
-    padded = sum(len(r["real"]) for r in records)
-    if all(isinstance(r["out"], list) and abs(r["out"][0] - s) < 1e-12 and r["out"][1] == c
-           for r, (s, c) in zip(records, mine)):
-        return (f"{head}. Each rank returned its own windows only: add the sums over the ranks "
-                f"(dist.all_reduce)")
-    if got[1] == padded and n != padded:
-        return (f"{head}. {padded} windows were counted, {padded - n} of them DistributedSampler's "
-                f"padding duplicates: count only the windows where real is True")
-    means = [s / c for s, c in mine]
-    if abs(mean - sum(means) / len(means)) < 1e-12:
-        return (f"{head}. That is the average of each rank's mean: ranks with fewer real windows "
-                f"weigh too much. Add sums and counts, then divide once")
-    if abs(mean - want) <= 1e-6 * abs(want):
-        return (f"{head}. Close, not equal: add in float64 (a float32 sum rounds); one process "
-                f"and N ranks then give the same bits")
-    return f"{head}. Return (sum of the real windows' losses, their number), each added over all ranks"
+    head = (f"at {when}, rank {bad['rank']}'s all_reduce_sums returned ({got[0]!r}, {got[1]}); "
+            f"the real windows' losses the ranks were given add up to ({right[0]!r}, {n})")
+    matched = [what for test, what in _mistakes(records)
+               if all(test(i, *r["out"]) for i, r in enumerate(records))]
+    if len(matched) == 1:
+        return f"{head}. {matched[0]}"
+    if len({tuple(r["out"]) for r in records}) > 1:
+        each = "; ".join(f"rank {r['rank']}: ({r['out'][0]!r}, {r['out'][1]})" for r in records)
+        what = f"{head}. The ranks disagree ({each}): every rank must get the same sums"
+    else:
+        part = ("count" if got[0] == right[0] else "sum" if got[1] == n else "sum and count")
+        what = f"{head}: the {part} {'are' if part == 'sum and count' else 'is'} wrong"
+    if matched:
+        named = " / ".join(m.split(":")[0].split(". ")[0] for m in matched)
+        what += (f" (it matches more than one known mistake on these windows, so none is "
+                 f"named: {named})")
+    return (f"{what}. Return (sum of the real windows' losses, their number), each added over "
+            f"all ranks")
 
 
 def _evaluates(first: R.LearnerRun, ref: R.Reference) -> str:
@@ -349,8 +445,9 @@ def _evaluates(first: R.LearnerRun, ref: R.Reference) -> str:
     at3 = [e for e in evals if e["attempt"] == 0 and e["index"] == 0]
     assert len(at3) == 2, (f"could not be verified: no evaluation at step {R.EVAL_EVERY} on "
                            f"both ranks ({len(at3)} recorded): {_why(first)}")
+    _not_the_projects(first, "all_reduce_sums", "labkit.capstone.evaluate.")
     oracle, want, n = _oracle(ref.saved[R.EVAL_EVERY]["model"])
-    wrong = _judge(at3, oracle, want, n, f"step {R.EVAL_EVERY}")
+    wrong = _judge(at3, oracle, n, f"step {R.EVAL_EVERY}")
     assert not wrong, wrong
     detail = f"step {R.EVAL_EVERY}: val loss {want:.6f} over {n} windows on both ranks, == one process"
     run = first.run
@@ -361,7 +458,7 @@ def _evaluates(first: R.LearnerRun, ref: R.Reference) -> str:
         ends = [max((e for e in evals if e["attempt"] == last and e["rank"] == r),
                     key=lambda e: e["index"]) for r in (0, 1)]
         oracle, want, n = _oracle(torch.load(first.out / "final.pt", weights_only=True))
-        wrong = _judge(ends, oracle, want, n, f"step {R.STEPS} (the end)")
+        wrong = _judge(ends, oracle, n, f"step {R.STEPS} (the end)")
         assert not wrong, wrong
         detail += f"; step {R.STEPS}: {want:.6f}, =="
     return detail
@@ -377,7 +474,22 @@ def _reshards(first: R.LearnerRun, one: R.LearnerRun | None, ref: R.Reference) -
     text = "\n".join(one.run.rank_lines()) if one.run else ""
     assert loads, f"load_checkpoint on 1 rank failed: {_why(one)}"
     assert "resharded 2 -> 1" in text, "the 1-rank run did not resume from the 2-rank checkpoint"
-    wrong = _after_load(loads, ref.saved[R.FIRST_CKPT], rng=False)
+    for run in (first, one):
+        _not_the_projects(run, "save_checkpoint and load_checkpoint",
+                          "labkit.capstone.sharded_checkpoint.")
+    assert one.notes[0].startswith("doubled"), (
+        f"could not be verified: {one.notes[0]}. The checker changes what the checkpoint holds "
+        f"(every floating-point tensor x 2) to see that your load restores the folder's "
+        f"contents: save with torch.distributed.checkpoint (dcp.save)")
+    saved = ref.saved[R.FIRST_CKPT]
+    wrong = _after_load(loads, R.doubled(saved), rng=False)
+    assert not wrong or _after_load(loads, saved, rng=False), (
+        f"saved by 2 FSDP ranks, loaded on 1: your load_checkpoint restored the state at the "
+        f"save, but not what the checkpoint folder holds. The checker doubled every "
+        f"floating-point tensor in the folder's copy ({one.notes[0][len('doubled: '):]}) and "
+        f"the load did not follow: the state came from somewhere else (a file outside the "
+        f"checkpoint folder, a copy kept elsewhere: a side channel). A checkpoint must hold "
+        f"everything in its folder: the script keeps, deletes and copies folders")
     assert not wrong, (f"saved by 2 FSDP ranks, loaded on 1: {wrong}. (A file per rank that "
                        f"holds its own shard loads only on the same world size: save with "
                        f"torch.distributed.checkpoint, dcp.save of get_state_dict(model, "
@@ -386,7 +498,8 @@ def _reshards(first: R.LearnerRun, one: R.LearnerRun | None, ref: R.Reference) -
     assert one.run.ok and f"done: {R.STEPS} steps on 1 rank(s)" in text, (
         f"it loaded exactly, then failed: {_why(one)}")
     return (f"saved by 2 FSDP ranks at step {R.FIRST_CKPT}, loaded on 1: every parameter and "
-            f"Adam's state bit for bit the checker's; trained on to step {R.STEPS}")
+            f"Adam's state bit for bit what the folder holds (the checker's, each tensor "
+            f"doubled in the copy); trained on to step {R.STEPS}")
 
 
 # ------------------------------------------------------------------ quiz keys (notebook 08)

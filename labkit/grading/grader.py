@@ -117,13 +117,15 @@ def read_submission(path: str | os.PathLike):
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        if _ends_early(text):
+        if _stops_early(text, exc):
             raise SubmissionError(f"the notebook is truncated: its JSON stops early, in the "
                                   f"middle of line {text.count(chr(10)) + 1} (an upload or a "
                                   f"save cut short); re-download or re-save it and submit "
                                   f"again") from None
-        raise SubmissionError(f"not a notebook: invalid JSON at line {exc.lineno}, column "
-                              f"{exc.colno} ({exc.msg})") from None
+        raise SubmissionError(f"not a valid notebook: its JSON breaks at line {exc.lineno}, "
+                              f"column {exc.colno} of {text.count(chr(10)) + 1} lines "
+                              f"({exc.msg}): the file was damaged or edited by hand there; "
+                              f"re-save it from Jupyter or repair that line") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("cells"), list):
         raise SubmissionError("not a notebook: valid JSON, but without a list of cells")
     try:
@@ -132,9 +134,24 @@ def read_submission(path: str | os.PathLike):
         raise SubmissionError(f"not a readable notebook: {type(exc).__name__}: {exc}") from None
 
 
+# the part of one token a cut can leave: a literal, a number, an escape in a string
+_TOKEN_PART = re.compile(r"[\w.+\-\\]*")
+
+
+def _stops_early(text: str, exc: json.JSONDecodeError) -> bool:
+    """True when ``text`` is JSON cut short: the parser failed at the end of the text (a
+    string still open, or nothing left but part of one token) with a ``{``/``[`` still open.
+    A break earlier in the text (garbage in the middle) is not a truncation, whatever the
+    brackets and quotes of the whole text add up to."""
+    if exc.msg.startswith("Unterminated string"):   # raised only when the text ends in it
+        at_end = True
+    else:
+        at_end = bool(_TOKEN_PART.fullmatch(text[exc.pos:].strip()))
+    return at_end and exc.msg != "Extra data" and _ends_early(text)
+
+
 def _ends_early(text: str) -> bool:
-    """True when ``text`` is JSON cut short: it ends inside a string, or with a ``{``/``[``
-    still open, or with a value half-written — whatever the parser complained about first."""
+    """True when ``text`` ends inside a string or with a ``{``/``[`` still open."""
     depth, in_string, escaped = 0, False, False
     for ch in text:
         if in_string:

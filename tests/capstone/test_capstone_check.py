@@ -4,7 +4,11 @@ Each answer set in capstone_answers.py is graded by really launching ``train_gpt
 under torchrun, as the notebook and ``python -m labkit grade`` do. To keep this file short in
 wall time, the wrong pieces travel in pairs (a wrong evaluation with a wrong checkpoint: they
 are judged on different evidence, the evaluation at step 3 happens before any checkpoint is
-loaded) and the five gradings run at the same time (the machine mostly waits on process starts).
+loaded) and the gradings run four at a time (the machine mostly waits on process starts).
+Every class of shortcut has a pair: state hidden in memory, the project's own code doing the
+work, a side channel (the store, a file), an evaluation not split over the ranks. The
+evaluation's feedback for each known mistake is judged on lab ranks, without torchrun (the
+end of this file).
 
 The solution's full marks are not graded again here: ``solutions/08_capstone.ipynb`` grades
 it in every test run, through the same checkers, in its check cell (``LABKIT_EXPECT_SOLVED``
@@ -13,7 +17,11 @@ turns any item short of full marks into a failure); its ``grade`` item then keep
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import pickle
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -22,6 +30,7 @@ import capstone_answers as A
 from capstone_common import no_ranks_at_the_end
 from labkit.capstone import _check_runs as R
 from labkit.capstone import check as C
+from labkit.capstone import probes
 from labkit.grading import exercise
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("no_ranks_at_the_end")]
@@ -34,8 +43,15 @@ PLANS = {   # name: (pieces, rubric items to grade)
     "padding counted, no RNG state": (A.pieces(
         all_reduce_sums=A.padding_counted, save_checkpoint=A.save_without_rng,
         load_checkpoint=A.load_without_rng), "abc"),
-    "no all-reduce, load ignores the checkpoint": (A.pieces(
-        all_reduce_sums=A.rank_local, load_checkpoint=A.load_ignoring_the_checkpoint), "abc"),
+    "no all-reduce, a load from memory": (A.pieces(
+        all_reduce_sums=A.rank_local, save_checkpoint=A.save_keeping_a_copy,
+        load_checkpoint=A.load_from_memory), "abc"),
+    "evaluated again on every rank, a side file": (A.pieces(
+        all_reduce_sums=A.evaluated_again_everywhere, save_checkpoint=A.save_with_a_side_file,
+        load_checkpoint=A.load_from_the_side_file), "abcd"),
+    "sums through the store, the project's own save and load": (A.pieces(
+        all_reduce_sums=A.through_the_store, save_checkpoint=A.save_by_the_project,
+        load_checkpoint=A.load_by_the_project), "abc"),
     "a file per rank: same world size only": (A.pieces(
         save_checkpoint=A.save_rank_files, load_checkpoint=A.load_rank_files), "abcd"),
     "all_reduce on rank 0 only": (A.pieces(all_reduce_sums=A.all_reduce_on_rank_0), "c"),
@@ -71,11 +87,39 @@ def test_padding_counted_and_a_save_without_the_rng(graded):
     assert "10 windows were counted, 1 of them DistributedSampler's padding" in detail
 
 
-def test_no_all_reduce_and_a_load_that_ignores_the_checkpoint(graded):
-    cases = graded["no all-reduce, load ignores the checkpoint"]
+def test_no_all_reduce_and_a_load_from_state_hidden_in_memory(graded):
+    """Hidden state: a copy kept in memory by save_checkpoint is gone in the restarted
+    processes, so the load restores nothing."""
+    cases = graded["no all-reduce, a load from memory"]
     assert cases["a"].passed, cases["a"]
-    assert "the model's parameters are not the saved ones" in failed(cases, "b")
+    detail = failed(cases, "b")
+    assert "nothing was restored from the checkpoint (state kept in memory is gone" in detail
+    assert "the model's parameters are not the saved ones" in detail
     assert "Each rank returned its own windows only" in failed(cases, "c")
+
+
+def test_an_evaluation_not_split_and_a_checkpoint_kept_in_a_side_file(graded):
+    """Not split: every rank evaluates every window itself (the right number, no all-reduce).
+    Side channel: a file of its own beside the checkpoint, read by the load: it resumes on the
+    same world size (b) but does not follow what the checkpoint folder holds (d)."""
+    cases = graded["evaluated again on every rank, a side file"]
+    assert cases["a"].passed and cases["b"].passed, cases
+    assert "the evaluation was done again, not split over the ranks" in failed(cases, "c")
+    detail = failed(cases, "d")
+    assert "restored the state at the save, but not what the checkpoint folder holds" in detail
+    assert "a file outside the checkpoint folder" in detail and "side channel" in detail
+
+
+def test_sums_through_the_store_and_the_projects_own_checkpoint_code(graded):
+    """Side channel: the right sums through the process group's TCPStore, no collective.
+    The library doing the work: the project's own save and load, found at run time."""
+    cases = graded["sums through the store, the project's own save and load"]
+    assert cases["a"].passed, cases["a"]
+    assert ("your pieces called labkit.capstone.sharded_checkpoint.load_checkpoint, "
+            "labkit.capstone.sharded_checkpoint.save_checkpoint: the project's own") in failed(
+        cases, "b")
+    detail = failed(cases, "c")
+    assert "ran no collective on any process group" in detail and "side channel" in detail
 
 
 def test_a_checkpoint_of_rank_files_resumes_but_does_not_reshard(graded):
@@ -138,3 +182,117 @@ def test_a_bundle_that_is_not_three_pieces_fails_every_item_at_once(fn, words, m
     monkeypatch.setattr(R, "learner_run", lambda *a, **k: pytest.fail("launched"))
     cases = C.grade(fn)
     assert not any(c.passed for c in cases.values()) and words in cases["a"].detail
+
+
+# ------------------------------------------------------------------ (c) judged on lab ranks
+# The evaluation's judge and its feedback, without torchrun: each answer runs in the project's
+# own evaluate() on 2 warm lab ranks (gloo, the capstone's model and validation windows),
+# wrapped by the grader's own probe (its disguise, its collective count, its guard).
+EVALS = {"solution": A.all_reduce_sums, "rank 0 x world": A.rank_0_times_world,
+         "padding": A.padding_counted, "local": A.rank_local, "means": A.mean_of_rank_means,
+         "divided": A.divided_by_world, "float32": A.float32_sum,
+         "again": A.evaluated_again_everywhere, "store": A.through_the_store,
+         "project's own": A.the_projects_own}
+
+
+def _guarded_functions() -> dict:
+    return {(m, a): getattr(importlib.import_module(m), a)
+            for m, attrs in probes.GUARDED.items() for a in attrs}
+
+
+def _evaluate_on_rank(rank, world_size, answers, folder, secret):
+    import torch
+
+    from labkit.capstone import train_gpt as G
+    from labkit.capstone.evaluate import evaluate
+    from labkit.capstone.model import GPTConfig, make_gpt
+
+    cfg = G.parse_args(R.ARGV)
+    model = make_gpt(GPTConfig(cfg.block_size, 256, cfg.n_layer, cfg.n_head, cfg.n_embd,
+                               cfg.dropout), seed=cfg.seed)
+    _, val, _ = G._data(cfg)
+    real = _guarded_functions()
+    for name, fn in answers.items():
+        sub = Path(folder) / name
+        sub.mkdir(exist_ok=True)
+        probes._install_guard(str(sub))
+        try:
+            reduce = functools.partial(probes.reduce_probe, probes.Guard(str(sub)), fn, str(sub),
+                                       secret)
+            evaluate(model, val, cfg.eval_batch, torch.device("cpu"), reduce=reduce)
+        finally:                    # warm ranks stay: leave the project's functions as found
+            for (m, a), f in real.items():
+                setattr(importlib.import_module(m), a, f)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory) -> dict[str, str]:
+    """What (c) says of each answer in EVALS (its _judge, then its guard)."""
+    import labkit as lk
+
+    folder = tmp_path_factory.mktemp("evals")
+    res = lk.run(_evaluate_on_rank, 2, args=(EVALS, str(folder), 12345), echo=False,
+                 backend="gloo", timeout=60, deadline=120)
+    oracle, _, n = C._oracle(res.values[0])
+    out = {}
+    for name in EVALS:
+        records = probes.read_evals(folder / name)
+        assert len(records) == 2 and n == 9, records
+        out[name] = C._judge(records, oracle, n, "step 3")
+        try:
+            C._not_the_projects(R.LearnerRun(None, folder, folder / name), "all_reduce_sums",
+                                "labkit.capstone.evaluate.")
+        except AssertionError as e:
+            out[name] += f" | {e}"
+    return out
+
+
+def test_the_solution_is_judged_right_through_the_disguise(judged):
+    assert judged["solution"] == ""
+
+
+@pytest.mark.parametrize("name, words", [
+    ("rank 0 x world", "Every rank got 2 x rank 0's own sums"),
+    ("padding", "10 windows were counted, 1 of them DistributedSampler's padding duplicates"),
+    ("local", "Each rank returned its own windows only"),
+    ("means", "That is the average of each rank's mean"),
+    ("divided", "The sums were averaged over the ranks"),
+    ("float32", "Close, not equal: add in float64"),
+])
+def test_a_wrong_reduction_is_told_what_it_did(judged, name, words):
+    """Each mistake named from the recorded inputs and outputs, and only that one: rank 0's
+    sums times 2 count 10 windows too, and are not told about the padding."""
+    assert words in judged[name], judged[name]
+    assert ("padding" in judged[name]) == (name == "padding"), judged[name]
+
+
+def test_an_evaluation_not_split_over_the_ranks_fails(judged):
+    """Every rank evaluating every window itself gets the one-process number without
+    communicating: the disguised inputs show it ignored what it was given."""
+    assert "the evaluation was done again, not split over the ranks" in judged["again"], (
+        judged["again"])
+
+
+def test_sums_through_the_store_fail_as_a_side_channel(judged):
+    assert "ran no collective on any process group" in judged["store"], judged["store"]
+    assert "side channel" in judged["store"]
+
+
+def test_the_projects_own_reduction_fails_however_it_is_found(judged):
+    assert "your pieces called labkit.capstone.evaluate.all_reduce_sums" in judged[
+        "project's own"], judged["project's own"]
+
+
+def test_the_guard_is_unpickled_before_the_learners_pieces(tmp_path):
+    """A piece that names the project's function at module level gets the recorder: the
+    guard in the --pieces file comes first, so the by-reference lookup finds it."""
+    real = _guarded_functions()
+    pieces = A.pieces(all_reduce_sums=A.by_the_projects_name)()
+    try:
+        loaded = pickle.loads(R.ship(pieces, tmp_path, tmp_path / "p.pkl").read_bytes())
+        inner = loaded["all_reduce_sums"].args[1]
+        assert getattr(inner.__globals__["project_all_reduce_sums"], "_labkit_guarded", False)
+    finally:
+        for (m, a), f in real.items():
+            setattr(importlib.import_module(m), a, f)

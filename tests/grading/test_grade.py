@@ -261,7 +261,10 @@ def _no_warm_ranks_after():
 @pytest.mark.parametrize("data, message", [
     (b"   \n", "the file is empty"),
     (b'{"cells": [', "truncated"),
-    (b'{"cells": ]}', "invalid JSON at line 1, column 11"),
+    (b'{"cells": [tru', "truncated"),
+    (b'{"cells": ["\\ud83d\\ude0', "truncated"),
+    (b'{"cells": ]}', "not a valid notebook: its JSON breaks at line 1, column 11 of 1 lines"),
+    (b'{"cells": []} x', "not a valid notebook: its JSON breaks at line 1, column 15 of 1 lines"),
     (b"[1, 2]", "without a list of cells"),
     (b'{"cells": [], "nbformat": 4, "nbformat_minor": 5, "metadata": 3}',
      "not a readable notebook"),
@@ -285,6 +288,23 @@ def test_a_notebook_cut_anywhere_is_called_truncated(tmp_path, name):
         path.write_bytes(data[:cut])
         with pytest.raises(SubmissionError, match="the notebook is truncated"):
             read_submission(path)
+
+
+@pytest.mark.parametrize("garbage", ['"', "{{", "<<<<<<< HEAD"])
+def test_garbage_in_the_middle_is_not_called_truncated(tmp_path, garbage):
+    """A whole notebook whose JSON breaks halfway (a bad merge, a hand edit) is named by where
+    it breaks, whatever its quotes and brackets add up to (an odd quote or an open bracket
+    made the old check call it truncated at its last line)."""
+    lines = (ROOT / "solutions" / "08_capstone.ipynb").read_text().split("\n")
+    middle = len(lines) // 2
+    lines[middle] = garbage + lines[middle]
+    path = tmp_path / "x.ipynb"
+    path.write_text("\n".join(lines))
+    with pytest.raises(SubmissionError) as info:
+        read_submission(path)
+    assert str(info.value).startswith(f"not a valid notebook: its JSON breaks at line "
+                                      f"{middle + 1}, column "), info.value
+    assert f"of {len(lines)} lines" in str(info.value) and "truncated" not in str(info.value)
 
 
 def test_bank_detection_order():
