@@ -1,18 +1,19 @@
 """Exercise 3's comparisons (notebook 06 §12.3): the Megatron MLP against one process.
 
-Used by :func:`labkit.sharding.check.check_parallel_mlp`. Each function returns ``None`` when
-every rank is right at every step, else one sentence naming the rank, the step, the likely
-mistake and its fix.
+Used by :func:`labkit.sharding.check.check_parallel_mlp`, with the oracle built from what the
+ranks reported (:func:`labkit.sharding._check_oracles.mlp_oracle`). Each function returns
+``None`` when every rank is right at every step, else one sentence naming the rank, the step,
+the likely mistake (or shortcut) and its fix.
 """
 from __future__ import annotations
 
 import torch
 
 from . import _check_jobs as J
-from . import _check_oracles as O
 
 ATOL, RTOL = 1e-6, 1e-5
 NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+SLACK = 16                      # elements a rank may hold beyond its slices (counters, floats)
 
 
 def _close(a, b) -> bool:
@@ -20,13 +21,19 @@ def _close(a, b) -> bool:
         torch.allclose(a, b, atol=ATOL, rtol=RTOL)
 
 
-def mlp_shapes(values, n: int) -> str | None:
+def _shards(n: int) -> dict[str, tuple]:
     d_in, hidden, d_out = J.MLP_DIMS
+    k = hidden // n
+    return {"fc1.weight": (k, d_in), "fc1.bias": (k,), "fc2.weight": (d_out, k),
+            "fc2.bias": (d_out,)}
+
+
+def mlp_shapes(values, n: int) -> str | None:
+    """The parameters are the 1/N slices."""
+    hidden = J.MLP_DIMS[1]
     if hidden % n:
         return f"the hidden width {hidden} does not split over {n} ranks (a checker bug)."
-    k = hidden // n
-    want = {"fc1.weight": (k, d_in), "fc1.bias": (k,), "fc2.weight": (d_out, k),
-            "fc2.bias": (d_out,)}
+    k, want = hidden // n, _shards(n)
     for r, v in enumerate(values):
         missing = [name for name in NAMES if name not in v["shapes"]]
         if missing:
@@ -45,8 +52,31 @@ def mlp_shapes(values, n: int) -> str | None:
     return None
 
 
-def mlp_numbers(values, n: int, steps: int) -> str | None:
-    want = O.mlp_oracle(n, steps)
+def mlp_held(values, n: int) -> str | None:
+    """The rank process holds nothing more than its slices (counted over every live tensor)."""
+    from .check import _census_problem
+
+    allowed = sum(torch.Size(s).numel() for s in _shards(n).values()) + SLACK
+    full = sum(a * b + b for a, b in zip(J.MLP_DIMS[:-1], J.MLP_DIMS[1:]))
+    for r, v in enumerate(values):
+        for s, rec in enumerate(v["records"]):
+            census = rec["census"]
+            problem = _census_problem(census, r, f"after step {s + 1}")
+            if problem:
+                return problem
+            if census["held"] > allowed:
+                return (f"rank {r}: after step {s + 1} the rank process holds "
+                        f"{census['held']} elements besides the checker's data (counted over "
+                        f"every live tensor, wherever it is kept: a closure, an attribute, a "
+                        f"global); its slices are {allowed - SLACK} (the full MLP: {full}). "
+                        f"Keep only this rank's slices: a rank that keeps (and computes with) "
+                        f"the whole MLP is not tensor-parallel.")
+    return None
+
+
+def mlp_numbers(values, n: int, steps: int, want: list[dict]) -> str | None:
+    from .check import COPY
+
     for s in range(steps):
         w = want[s]
         for r in range(n):
@@ -57,7 +87,7 @@ def mlp_numbers(values, n: int, steps: int) -> str | None:
                             f"add it once, after the all-reduce of the partial sums.")
                 return (f"step {s + 1}, rank {r}: the output differs from one process. Broadcast "
                         f"rank 0's MLP before slicing it (every rank built its own), and "
-                        f"all-reduce the partial outputs of fc2.")
+                        f"all-reduce the partial outputs of fc2. {COPY}")
             grads = got["grads"]
             if _close(grads["fc1.weight"], n * w["grads"][r]["fc1.weight"]):
                 return (f"step {s + 1}, rank {r}: fc1's gradients are {n}x one process's: the "
@@ -77,15 +107,46 @@ def mlp_numbers(values, n: int, steps: int) -> str | None:
     return None
 
 
-def mlp_comm(values, n: int) -> str | None:
+def mlp_comm(values, n: int, want: list[dict]) -> str | None:
+    """One all-reduce each way, carrying this rank's own partial sums: batch × d_out forward
+    (``h_r · W2_rᵀ``), batch × d_in backward (``grad_pre_r · W1_r``)."""
+    from .check import _census_problem
+
+    d_in, _, d_out = J.MLP_DIMS
+    shapes = {"forward": (J.MLP_BATCH, d_out), "backward": (J.MLP_BATCH, d_in)}
     for r, v in enumerate(values):
-        if v["library"]:
-            return (f"rank {r}: the module uses {', '.join(v['library'])} (parallelize_module): "
-                    f"this exercise asks for the column/row split by hand.")
         for s, rec in enumerate(v["records"]):
+            problem = _census_problem(rec["census"], r, f"after step {s + 1}")
+            if problem:
+                return problem.replace("by hand, not with torch's library",
+                                       "by hand, not with parallelize_module")
             for phase in ("forward", "backward"):
                 if rec[phase] != ["all_reduce"]:
+                    extra = (" (nothing counted: a collective run from another thread, or "
+                             "data moved through the process group's store or a file, is a "
+                             "side channel and does not count)" if not rec[phase] else "")
                     return (f"step {s + 1}, rank {r}: the {phase} issued "
-                            f"{rec[phase] or 'no collective'}; Megatron's MLP does exactly one "
-                            f"all_reduce in forward (g) and one in backward (f).")
+                            f"{rec[phase] or 'no collective'}{extra}; Megatron's MLP does "
+                            f"exactly one all_reduce in forward (g) and one in backward (f).")
+                problem = _payload_problem(rec["payloads"][phase], want[s], phase, r, s,
+                                           shapes[phase])
+                if problem:
+                    return problem
+    return None
+
+
+def _payload_problem(payloads, w: dict, phase: str, r: int, s: int, shape) -> str | None:
+    what = ("its partial output h_r · W2_rᵀ (batch × d_out)" if phase == "forward" else
+            "its part of the input's gradient (batch × d_in)")
+    oracle = w["partial_out" if phase == "forward" else "partial_x_grad"][r]
+    got = payloads[0] if payloads else None
+    if got is None or tuple(got.shape) != shape:
+        return (f"step {s + 1}, rank {r}: the {phase} all-reduce carried "
+                f"{'nothing seen' if got is None else tuple(got.shape)}, not "
+                f"{shape}: it must carry {what}, not weights or anything else.")
+    if not _close(got, oracle):
+        return (f"step {s + 1}, rank {r}: the {phase} all-reduce carried {shape} values that "
+                f"are not this rank's own: it must carry {what}, computed with this rank's "
+                f"slices only. A rank that computes the whole MLP and all-reduces a share of "
+                f"it is not tensor-parallel.")
     return None

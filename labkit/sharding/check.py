@@ -1,18 +1,29 @@
 """Notebook 06's exercise checkers: ZeRO-1 optimizer, ZeRO-3 layer, Megatron MLP (notebook 06 §12).
 
-Stricter than the anchors (CS336's sharded-optimizer test passes a plain optimizer):
+Stricter than the anchors (CS336's sharded-optimizer test passes a plain optimizer), and built
+so that no shortcut passes (``tests/sharding/test_sharding_check.py`` feeds each one):
 
-* every answer runs on **2 and 4 real ranks** that start from **different weights** (a missing
-  broadcast fails), and **every rank is compared at every step** with one process;
-* what the answer *holds* is read from storages, whatever its attributes are called, so a
-  plain optimizer, an unsharded layer or a kept full weight fails its own case;
-* what it *sends* is counted at the dispatcher (:class:`~.counting.CommCounter`), so ZeRO-3's
-  second all-gather, Megatron's one all-reduce each way and "hand-written, not torch's" are
-  checked, not assumed;
-* the ZeRO-1 answer is also trained with SGD with momentum, because Adam's update barely changes
-  when the gradient is scaled: a *summed* gradient would pass with Adam alone;
+* every answer runs on **2 and 4 real ranks**; each rank draws its **weights and data from a
+  secret of its own** (``os.urandom``, per grading) and the one-process oracle is built from
+  what the ranks report, afterwards: ranks start from different weights (a missing broadcast
+  fails), and an answer that imports the oracle or skips the communication has nothing to
+  copy. **Every rank is compared at every step**;
+* what a rank *holds* is counted over the whole rank process
+  (:class:`~labkit.grading.integrity.Census`: closures, defaults, globals, tensor attributes,
+  kept graphs), not over the answer's attributes, so state or a full weight kept anywhere
+  fails; so does a library object (``ZeroRedundancyOptimizer``, ``DTensor`` ...) or a whole
+  ordinary optimizer kept anywhere;
+* what it *sends* is counted at the dispatcher (:class:`~.counting.CommCounter`): ZeRO-1's
+  reduce-scatter and all-gather of the flat parameters, ZeRO-3's three ring halves, Megatron's
+  one all-reduce each way — whose **contents** must be this rank's own partial sums, so a rank
+  that computes the whole MLP fails — from this thread, its helper threads and future
+  callbacks. Data moved through the process group's store or a file is not communication
+  the exercise asks for: the collectives are missing, or the sends carry decoys, and it fails;
+* the ZeRO-1 model has a **frozen parameter** (its ``.grad`` stays ``None``), which must stay
+  as it was, and the answer is also trained with SGD with momentum, because Adam's update barely
+  changes when the gradient is scaled: a *summed* gradient would pass with Adam alone;
 * short timeouts: a deadlocked answer fails in seconds. A case the checker cannot verify (the
-  job failed, a value is missing) fails with the reason.
+  job failed, a value is missing, the census was tampered with) fails with the reason.
 
 The quiz keys computed from the learner's own measurements (§13) are at the end: the bank
 names them as ``key = "labkit.sharding.check:<fn>"`` with ``inputs`` = the notebook variables
@@ -26,6 +37,7 @@ import torch
 
 from ..grading.exercise import Case
 from ..runtime import run
+from ..runtime.pickling import dumps
 from . import _check_jobs as J
 from . import _check_oracles as O
 
@@ -46,7 +58,11 @@ def _warm(rank: int, world_size: int) -> None:
 def _job(fn, world_size: int, answer, steps: int):
     """Run a checker job; (values, None) or (None, message) when it failed."""
     run(_warm, world_size, timeout=60.0, deadline=120.0, echo=False)   # ms when ranks are warm
-    res = run(fn, world_size, args=(answer, steps), timeout=TIMEOUT_S, deadline=TIMEOUT_S + 20,
+    try:
+        blob = dumps(answer)              # loaded in the ranks after the census's baseline
+    except Exception as exc:  # noqa: BLE001
+        return None, f"the answer cannot be sent to the ranks: {type(exc).__name__}: {exc}"
+    res = run(fn, world_size, args=(blob, steps), timeout=TIMEOUT_S, deadline=TIMEOUT_S + 20,
               check=False, echo=False)
     if res.ok:
         return res.values, None
@@ -60,7 +76,10 @@ def _job(fn, world_size: int, answer, steps: int):
         return None, (f"rank {bad.rank} was still running after {TIMEOUT_S + 20:.0f} s (stuck in "
                       f"{bad.where or 'your code'}): an endless loop, or a deadlock. Every rank "
                       f"must issue the same collectives in the same order.")
-    return None, f"{bad.describe()} — the case cannot be verified, so it fails."
+    hint = (" The model has a frozen parameter (requires_grad=False): its .grad stays None, as "
+            "with torch's optimizers, which skip it; leave it out." if "'NoneType'" in
+            (bad.error or "") else "")
+    return None, f"{bad.describe()} — the case cannot be verified, so it fails.{hint}"
 
 
 def _close(a, b) -> bool:
@@ -82,14 +101,43 @@ def _grade(job, cls, world_sizes, steps: int, names, judge) -> list[Case]:
     return cases
 
 
+COPY = ("Weights and data are drawn afresh in every grading from each rank's own secret: a "
+        "precomputed or copied result (the checker's oracle) cannot match.")
+
+
+def _census_problem(census: dict, r: int, where: str) -> str | None:
+    """A census the rank could not take (the answer tampered with the collector), or a library
+    object found anywhere in the rank process."""
+    if "error" in census:
+        return f"rank {r}, {where}: {census['error']}."
+    if census["library"]:
+        return (f"rank {r}, {where}: the rank process holds {', '.join(census['library'])} "
+                f"(found among its live objects, wherever it is kept: an attribute, a closure, "
+                f"a global): this exercise asks you to do it by hand, not with torch's library.")
+    return None
+
+
 # ------------------------------------------------------------- exercise 1: ZeRO-1 optimizer
+PSI = sum(math.prod(s) for s in ((J.OPT_DIMS[1], J.OPT_DIMS[0]), (J.OPT_DIMS[1],),
+                                 (J.OPT_DIMS[2], J.OPT_DIMS[1]), (J.OPT_DIMS[2],)))
+FROZEN_NUMEL = J.OPT_DIMS[1]                         # fc1's bias
+TRAINABLE = PSI - FROZEN_NUMEL
+
+
 def _params_problem(values, name: str, n: int, steps: int) -> str | None:
-    want = O.optimizer_oracle(n, name, steps)
-    summed = O.optimizer_oracle(n, name, steps, "sum")
+    init, data = values[0][name]["init"], [v[name]["data"] for v in values]
+    want = O.optimizer_oracle(name, init, data, steps)
+    summed = O.optimizer_oracle(name, init, data, steps, "sum")
     for s in range(steps):
         got = [v[name]["params"][s] for v in values]
         for r in range(1, n):
-            if not all(torch.equal(a, b) for a, b in zip(got[r], got[0])):
+            differ = [i for i, (a, b) in enumerate(zip(got[r], got[0])) if not torch.equal(a, b)]
+            if differ == [J.FROZEN]:
+                return (f"after step {s + 1}, rank {r}'s frozen parameter (fc1's bias, "
+                        f"requires_grad=False) differs from rank 0's: Broadcast rank 0's "
+                        f"parameters in __init__, the frozen ones too (every rank built its "
+                        f"model from its own seed).")
+            if differ:
                 return (f"after step {s + 1}, rank {r}'s parameters differ from rank 0's: every "
                         f"rank must end each step with every updated slice (all-gather them "
                         f"into the parameters), starting from rank 0's weights.")
@@ -99,56 +147,103 @@ def _params_problem(values, name: str, n: int, steps: int) -> str | None:
             if all(_close(a, b) for a, b in zip(got[r], summed[s])):
                 return (f"after step {s + 1} rank {r} took {n}x the averaged step: you summed "
                         f"the gradients; divide by the world size (the loss is a mean).")
+            if not torch.equal(got[r][J.FROZEN], init[J.FROZEN]):
+                return (f"after step {s + 1}, rank {r}'s frozen parameter (fc1's bias, "
+                        f"requires_grad=False, .grad None) is not rank 0's initial value: "
+                        f"broadcast every parameter, then leave frozen ones out of the flat "
+                        f"layout and never change them, as torch's optimizers do.")
             diff = max(float((a - b).abs().max()) for a, b in zip(got[r], want[s]))
             return (f"after step {s + 1}, rank {r}'s parameters differ from one process by up "
                     f"to {diff:.3g}. Broadcast rank 0's parameters in __init__ (every rank "
-                    f"built its model from a different seed), average the gradients, update "
-                    f"your slice and all-gather.")
+                    f"built its model from its own secret seed), average the gradients, update "
+                    f"your slice and all-gather. {COPY}")
     return None
 
 
 def _state_problem(values, n: int) -> str | None:
-    psi = sum(math.prod(s) for s in ((J.OPT_DIMS[1], J.OPT_DIMS[0]), (J.OPT_DIMS[1],),
-                                     (J.OPT_DIMS[2], J.OPT_DIMS[1]), (J.OPT_DIMS[2],)))
-    k = -(-psi // n)
-    limit, floor = 3 * k + 16, 2 * (psi // n) - 16        # Adam: 2 moments (+ a slice copy)
+    k, k_all = -(-TRAINABLE // n), -(-PSI // n)
+    limit, floor = 3 * k_all + 16, 2 * (TRAINABLE // n) - 16   # Adam: 2 moments + a slice
     for r, v in enumerate(values):
-        got = max(v["Adam"]["state"])
-        if v["Adam"]["library"]:
-            return (f"rank {r}'s optimizer wraps {', '.join(v['Adam']['library'])}: this "
-                    f"exercise asks you to shard by hand.")
-        if got > limit:
-            return (f"rank {r}'s optimizer holds {got} elements besides the parameters and "
-                    f"gradients; sharded, Adam needs about 2·⌈Ψ/N⌉ = {2 * k} (+ your slice, "
-                    f"{k}): at most {limit}. A plain Adam holds 2Ψ = {2 * psi}. Keep state for "
-                    f"your 1/N slice only (split the flat parameters into N equal slices).")
-        if got < floor:
-            return (f"rank {r}'s optimizer holds only {got} elements of state, less than Adam "
-                    f"needs for a 1/{n} slice ({2 * (psi // n)}): keep the inner optimizer "
-                    f"(and its state) as an attribute of your optimizer.")
+        for s, census in enumerate(v["Adam"]["census"]):
+            problem = _census_problem(census, r, f"after step {s + 1}")
+            if problem:
+                return problem
+            got = census["held"]
+            if got > limit:
+                return (f"rank {r}'s process holds {got} elements besides the model, its "
+                        f"gradients and the checker's data (counted over every live tensor "
+                        f"of the rank, wherever it is kept: attributes, closures, globals); "
+                        f"sharded, Adam needs about 2·⌈Ψ/N⌉ = {2 * k} (+ your slice, {k}): at "
+                        f"most {limit}. A plain Adam holds 2Ψ = {2 * TRAINABLE}. Keep state "
+                        f"for your 1/N slice only (split the flat parameters into N equal "
+                        f"slices).")
+            whole = [(cls, m) for cls, m in census["optimizers"] if m > k_all + 8]
+            if whole:
+                cls, m = whole[0]
+                return (f"rank {r} holds an optimizer ({cls}) with state for {m} parameter "
+                        f"elements, more than a 1/{n} slice ({k}): a whole ordinary optimizer, "
+                        f"wherever it is kept (an attribute, a closure), is not ZeRO-1. Give "
+                        f"the inner optimizer your slice only.")
+            if got < floor:
+                return (f"rank {r} holds only {got} elements of state, less than Adam needs "
+                        f"for a 1/{n} slice ({2 * (TRAINABLE // n)}): keep the inner optimizer "
+                        f"(and its state) between steps.")
+    return None
+
+
+def _collectives_problem(values, n: int) -> str | None:
+    """Each step: one reduce-scatter of the flat gradients and one all-gather of the flat
+    parameters (each ≥ 4·Ψ bytes, at most one parameter's padding more per parameter)."""
+    low, high = 4 * TRAINABLE, 4 * (PSI + n * 4)
+    for name in J.OPT_SETUPS:
+        for r, v in enumerate(values):
+            for s, comm in enumerate(v[name]["comm"]):
+                rs, ag = comm["reduce_scatter"], comm["all_gather"]
+                if rs == 0 or ag == 0:
+                    return (f"{name}, step {s + 1}: rank {r} reduce-scattered {rs} and "
+                            f"all-gathered {ag} bytes. ZeRO-1 averages the gradients with a "
+                            f"reduce-scatter and shares the updated slices with an all-gather, "
+                            f"every step, in this thread. Numbers got without them were "
+                            f"computed some other way: a copied oracle, or data moved by a "
+                            f"side channel (another thread, the process group's store, a "
+                            f"file) — neither counts.")
+                if not (low <= rs <= high and low <= ag <= high):
+                    return (f"{name}, step {s + 1}: rank {r} reduce-scattered {rs} and "
+                            f"all-gathered {ag} bytes; the {TRAINABLE} trainable elements "
+                            f"flattened and padded are {4 * TRAINABLE}-{high} bytes each way.")
+                extra = [k for k in ("all_reduce", "broadcast", "send") if comm[k]]
+                if extra:
+                    return (f"{name}, step {s + 1}: rank {r} also sent {', '.join(extra)} "
+                            f"({sum(comm[k] for k in extra)} bytes): ZeRO-1's step moves each "
+                            f"gradient once (reduce-scatter) and each parameter once "
+                            f"(all-gather), nothing more.")
     return None
 
 
 def check_sharded_optimizer(cls, world_sizes=WORLD_SIZES, steps: int = 3) -> list[Case]:
     """Grade ``cls(params, optimizer_class, **defaults)`` with ``.step()`` (ZeRO-1).
 
-    The checker calls ``step()`` after each ``loss.backward()`` (the gradients are this rank's
-    own, not averaged) and sets every ``.grad`` to ``None`` after it.
+    ``params`` are an MLP's, one of them frozen (``requires_grad=False``). The checker calls
+    ``step()`` after each ``loss.backward()`` (the gradients are this rank's own, not averaged)
+    and sets every ``.grad`` to ``None`` after it.
     """
     def names(n):
-        return [f"{n} ranks, SGD with momentum: every rank matches one process every step",
+        return [f"{n} ranks, SGD with momentum: every rank matches one process every step, "
+                f"the frozen parameter unchanged",
                 f"{n} ranks, Adam: every rank matches one process every step",
-                f"{n} ranks, Adam: each rank's optimizer state is about 1/{n}"]
+                f"{n} ranks, Adam: each rank's process holds about 1/{n} of the state",
+                f"{n} ranks: by hand, one reduce-scatter and one all-gather per step"]
 
     def judge(values, n):
         return [_params_problem(values, "SGD with momentum", n, steps),
-                _params_problem(values, "Adam", n, steps), _state_problem(values, n)]
+                _params_problem(values, "Adam", n, steps), _state_problem(values, n),
+                _collectives_problem(values, n)]
     return _grade(J.optimizer_job, cls, world_sizes, steps, names, judge)
 
 
 # ------------------------------------------------------------- exercise 2: ZeRO-3 layer
 def _linear_numbers(values, n: int, steps: int) -> str | None:
-    want = O.linear_oracle(n, steps)
+    want = O.linear_oracle(values[0]["init"], [v["data"] for v in values], steps)
     for s in range(steps):
         for r in range(n):
             got, w = values[r]["records"][s], want[s]
@@ -156,8 +251,8 @@ def _linear_numbers(values, n: int, steps: int) -> str | None:
                 if s == 0:
                     return (f"step 1, rank {r}: the output differs from one process. The "
                             f"gathered weight is not rank 0's layer: broadcast it before "
-                            f"sharding (each rank built its own), and put the shards together "
-                            f"in rank order.")
+                            f"sharding (each rank built its own), and put the shards "
+                            f"together in rank order. {COPY}")
                 return (f"step {s + 1}, rank {r}: the output uses stale weights: gather the "
                         f"*current* shards in every forward (the checker updated them).")
             g, wg = got["shard_grad"], w["shard_grad"][r]
@@ -188,8 +283,6 @@ def _linear_memory(values, n: int) -> str | None:
     full = J.LINEAR[0] * J.LINEAR[1] + J.LINEAR[1]
     k = -(-full // n)
     for r, v in enumerate(values):
-        if v["library"]:
-            return f"rank {r}: the wrapper uses {', '.join(v['library'])}: shard it by hand."
         if v["shard_shape"] != (k,):
             return (f"rank {r}: self.shard has shape {v['shard_shape']}; a 1/{n} shard of the "
                     f"{full} flattened, padded elements has ({k},).")
@@ -199,11 +292,17 @@ def _linear_memory(values, n: int) -> str | None:
         if v["params"] != [(k,)]:
             return (f"rank {r}: the wrapper's parameters are {v['params']}; only the shard may "
                     f"be one (a kept nn.Linear keeps the full weight).")
-        held = max(rec["held"] for rec in v["records"])
-        if held >= full:
-            return (f"rank {r}: between steps the wrapper holds {held} elements besides its "
-                    f"shard, the size of the full parameter ({full}): free the gathered "
-                    f"weight after use instead of keeping it.")
+        for s, rec in enumerate(v["records"]):
+            census = rec["census"]
+            problem = _census_problem(census, r, f"after step {s + 1}")
+            if problem:
+                return problem
+            if census["held"] >= full:
+                return (f"rank {r}: after step {s + 1} the rank process holds {census['held']} "
+                        f"elements besides the shard and the checker's data (counted over "
+                        f"every live tensor, wherever it is kept: attributes, a closure, the "
+                        f"autograd context, a global), as much as the full parameter "
+                        f"({full}): free the gathered weight after use instead of keeping it.")
     return None
 
 
@@ -218,6 +317,12 @@ def _linear_traffic(values, n: int) -> str | None:
                         f"collective): this exercise asks for the ring's halves — "
                         f"lk.sharding.ring_all_gather / ring_reduce_scatter, or your own "
                         f"isend/irecv.")
+            if rec["sent"] == 0:
+                return (f"step {s + 1}, rank {r} sent nothing from this thread, yet ZeRO-3 "
+                        f"needs the other ranks' shards: the collectives ran where they are "
+                        f"not counted (another thread) or the data went by a side channel "
+                        f"(the process group's store, a file). Send with the ring halves, in "
+                        f"forward and backward ({want} bytes per step).")
             if rec["sent"] == 2 * (n - 1) * k * 4:
                 return (f"step {s + 1}, rank {r} sent {rec['sent']} bytes: two ring halves, "
                         f"not three. ZeRO-3 frees the full weight after forward and gathers it "
@@ -225,6 +330,15 @@ def _linear_traffic(values, n: int) -> str | None:
             if rec["sent"] != want:
                 return (f"step {s + 1}, rank {r} sent {rec['sent']} bytes; two all-gathers and "
                         f"one reduce-scatter of {k * n * 4} bytes on a ring send {want}.")
+            shards = [v2["records"][s]["shard"] for v2 in values]
+            carried = sum(any(torch.equal(t.reshape(-1), sh) for sh in shards)
+                          for t in rec["sends"] if t.numel() == k)
+            if carried < 2 * (n - 1):
+                return (f"step {s + 1}, rank {r}: {carried} of its sends carried a rank's "
+                        f"shard; the two ring all-gathers forward {2 * (n - 1)} shards. Sends "
+                        f"of the right size that carry something else are decoys: the data "
+                        f"went another way (another thread, the process group's store, a "
+                        f"file) or were never needed (a copied result).")
     return None
 
 
@@ -248,17 +362,21 @@ def check_sharded_linear(cls, world_sizes=(4, 2), steps: int = 3) -> list[Case]:
 def check_parallel_mlp(cls, world_sizes=WORLD_SIZES, steps: int = 2) -> list[Case]:
     """Grade ``cls(mlp)`` for ``mlp = Sequential(Linear(6, 8), Tanh(), Linear(8, 5))``: a
     column-parallel ``fc1`` and a row-parallel ``fc2``, the full output on every rank."""
-    from ._check_mlp import mlp_comm, mlp_numbers, mlp_shapes
+    from ._check_mlp import mlp_comm, mlp_held, mlp_numbers, mlp_shapes
 
     def names(n):
         return [f"{n} ranks: output, input gradient and every weight gradient match one "
                 f"process, every rank and step",
-                f"{n} ranks: fc1 split by output rows, fc2 by input columns (1/{n} each)",
-                f"{n} ranks: hand-written, one all-reduce forward and one backward"]
+                f"{n} ranks: fc1 split by output rows, fc2 by input columns (1/{n} each), "
+                f"nothing more held",
+                f"{n} ranks: hand-written, one all-reduce of this rank's partial sums forward "
+                f"and one backward"]
 
     def judge(values, n):
+        oracle = O.mlp_oracle(n, values[0]["init"], values[0]["data"], steps)
         shapes = mlp_shapes(values, n)      # the slices cannot be compared with wrong shapes
-        return [shapes or mlp_numbers(values, n, steps), shapes, mlp_comm(values, n)]
+        return [shapes or mlp_numbers(values, n, steps, oracle), shapes or mlp_held(values, n),
+                mlp_comm(values, n, oracle)]
     return _grade(J.mlp_job, cls, world_sizes, steps, names, judge)
 
 

@@ -1,8 +1,10 @@
 """Notebook 06's checkers: the right answers pass; lazy and wrong answers fail a named case.
 
-Each wrong answer in tests/sharding/sharding_answers.py is a mistake a learner makes; these tests pin
-which case it fails and that the message names the fix. Most run on 2 ranks only (the cases are
-the same per world size); the right answers run on 2 and 4.
+Each wrong answer in tests/sharding/sharding_answers.py is a mistake a learner makes; these tests
+pin which case it fails and that the message names the fix. Each shortcut (issue 22: state
+hidden in a closure, a library object doing the work, a copied oracle, a side channel, a
+computation not split) fails a case whose message names it. Most run on 2 ranks only (the
+cases are the same per world size); the right answers run on 2 and 4.
 """
 from __future__ import annotations
 
@@ -35,14 +37,14 @@ def passed(cases, name_part: str) -> bool:
     return all(c.passed for c in cases if name_part in c.name)
 
 
-@pytest.mark.parametrize("check, answer", [
-    (check_sharded_optimizer, A.ShardedOptimizer),
-    (check_sharded_linear, A.ShardedLinear),
-    (check_parallel_mlp, A.ParallelMLP),
+@pytest.mark.parametrize("check, answer, count", [
+    (check_sharded_optimizer, A.ShardedOptimizer, 8),
+    (check_sharded_linear, A.ShardedLinear, 6),
+    (check_parallel_mlp, A.ParallelMLP, 6),
 ])
-def test_the_solution_passes_every_case_on_2_and_4_ranks(check, answer):
+def test_the_solution_passes_every_case_on_2_and_4_ranks(check, answer, count):
     cases = check(answer)
-    assert len(cases) == 6 and all(c.passed for c in cases), cases
+    assert len(cases) == count and all(c.passed for c in cases), cases
 
 
 # ------------------------------------------------------------- exercise 1: ZeRO-1
@@ -76,18 +78,34 @@ def test_a_missing_broadcast_fails_because_every_rank_starts_from_its_own_weight
     assert "Broadcast rank 0's parameters" in failed(cases, "SGD")
 
 
-def test_wrapping_torchs_zero_redundancy_optimizer_fails_the_hand_sharding_case():
-    class Wrapped:
-        def __init__(self, params, optimizer_class, **defaults):
-            import torch
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            self.inner = ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.SGD,
-                                                 lr=defaults["lr"])
+def test_an_answer_that_crashes_on_the_frozen_parameter_is_told_why():
+    cases = check_sharded_optimizer(A.FrozenCrashOptimizer, world_sizes=(2,))
+    assert "frozen parameter (requires_grad=False)" in failed(cases, "SGD")
 
-        def step(self):
-            self.inner.step()
-    cases = check_sharded_optimizer(Wrapped, world_sizes=(2,))
-    assert "wraps ZeroRedundancyOptimizer" in failed(cases, "state")
+
+def test_hidden_state_a_whole_optimizer_in_a_closure_with_a_decoy_slice_fails():
+    cases = check_sharded_optimizer(A.ClosureOptimizer, world_sizes=(2,))
+    assert passed(cases, "SGD") and passed(cases, "Adam: every rank")
+    assert "wherever it is kept" in failed(cases, "state")
+    assert "reduce-scattered 0" in failed(cases, "by hand")
+
+
+def test_a_library_object_zero_redundancy_optimizer_in_a_closure_fails():
+    cases = check_sharded_optimizer(A.LibraryInClosureOptimizer, world_sizes=(2,))
+    detail = failed(cases, "state")
+    assert "holds ZeroRedundancyOptimizer" in detail and "not with torch's library" in detail
+
+
+def test_a_copied_oracle_that_never_communicates_fails():
+    cases = check_sharded_optimizer(A.CopiedOracleOptimizer, world_sizes=(2,))
+    assert not passed(cases, "SGD") and not passed(cases, "Adam: every rank")
+    assert "a copied oracle" in failed(cases, "by hand")
+
+
+def test_a_side_channel_through_the_store_fails_the_collectives_case():
+    cases = check_sharded_optimizer(A.StoreOptimizer, world_sizes=(2,))
+    assert passed(cases, "SGD") and passed(cases, "state")
+    assert "the process group's store" in failed(cases, "by hand")
 
 
 # ------------------------------------------------------------- exercise 2: ZeRO-3 layer
@@ -120,6 +138,33 @@ def test_an_unsharded_layer_fails_every_case():
     assert not any(c.passed for c in cases)
 
 
+def test_hidden_state_the_full_weight_kept_in_a_closure_fails_the_kept_case():
+    cases = check_sharded_linear(A.ClosureKeepsLinear, world_sizes=(2,))
+    assert passed(cases, "bit-exact") and passed(cases, "traffic")
+    assert "wherever it is kept" in failed(cases, "kept")
+
+
+def test_a_library_object_dtensor_with_its_mesh_in_a_closure_fails():
+    cases = check_sharded_linear(A.DTensorLinear, world_sizes=(2,))
+    assert "not with torch's library" in failed(cases, "kept")
+
+
+def test_a_copied_oracle_with_decoy_sends_fails():
+    cases = check_sharded_linear(A.CopiedOracleLinear, world_sizes=(2,))
+    assert "copied result (the checker's oracle) cannot match" in failed(cases, "bit-exact")
+    assert "decoys" in failed(cases, "traffic")
+
+
+def test_a_side_channel_a_helper_thread_or_the_store_fails_the_traffic_case():
+    cases = check_sharded_linear(A.HelperThreadLinear, world_sizes=(2,))
+    assert passed(cases, "bit-exact")          # the helper thread's collectives are counted
+    assert "a library collective" in failed(cases, "traffic")
+    cases = check_sharded_linear(A.StoreLinear, world_sizes=(2,))
+    assert passed(cases, "bit-exact")
+    detail = failed(cases, "traffic")
+    assert "decoys" in detail and "the process group's store" in detail
+
+
 # ------------------------------------------------------------- exercise 3: Megatron MLP
 def test_the_library_all_reduce_as_g_fails_numbers_and_the_count():
     cases = check_parallel_mlp(A.LibraryAllReduceMLP, world_sizes=(2,))
@@ -147,6 +192,36 @@ def test_a_replicated_mlp_fails_the_split_case():
 def test_parallelize_module_fails_the_hand_written_case():
     cases = check_parallel_mlp(A.LibraryTPMLP, world_sizes=(2,))
     assert "parallelize_module" in failed(cases, "hand-written")
+
+
+def test_hidden_state_the_whole_mlp_kept_in_a_closure_fails_the_split_case():
+    cases = check_parallel_mlp(A.ClosureFullMLP, world_sizes=(2,))
+    assert passed(cases, "input gradient") and passed(cases, "hand-written")
+    assert "wherever it is kept" in failed(cases, "split")
+
+
+def test_a_library_object_parallelize_module_in_a_closure_fails():
+    cases = check_parallel_mlp(A.LibraryInClosureMLP, world_sizes=(2,))
+    assert "not with parallelize_module" in failed(cases, "hand-written")
+
+
+def test_a_copied_oracle_fails_numbers_and_the_payload():
+    cases = check_parallel_mlp(A.CopiedOracleMLP, world_sizes=(2,))
+    assert "copied result (the checker's oracle) cannot match" in failed(cases, "output")
+    assert "not this rank's own" in failed(cases, "hand-written")
+
+
+def test_a_side_channel_through_the_store_fails_the_count():
+    cases = check_parallel_mlp(A.StoreMLP, world_sizes=(2,))
+    assert passed(cases, "input gradient")
+    assert "the process group's store" in failed(cases, "hand-written")
+
+
+def test_a_computation_not_split_whole_mlp_with_the_right_payload_size_fails():
+    cases = check_parallel_mlp(A.WholeMLP, world_sizes=(2,))
+    assert passed(cases, "input gradient")
+    assert "not tensor-parallel" in failed(cases, "hand-written")
+    assert "not tensor-parallel" in failed(cases, "split")
 
 
 # ------------------------------------------------------------- stubs, deadlocks, the grader
