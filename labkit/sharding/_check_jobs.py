@@ -218,3 +218,19 @@ def mlp_job(rank: int, world_size: int, blob: bytes, steps: int) -> dict:
 def _plain(t: torch.Tensor) -> torch.Tensor:
     inner = getattr(t, "_local_tensor", None)
     return (inner if isinstance(inner, torch.Tensor) else t).detach()
+
+
+COPY = ("Weights and data are drawn afresh in every grading from each rank's own secret: a "
+        "precomputed or copied result (the checker's oracle) cannot match.")
+
+
+def census_problem(census: dict, r: int, where: str) -> str | None:
+    """A census the rank could not take (the answer tampered with the collector), or a library
+    object found anywhere in the rank process."""
+    if "error" in census:
+        return f"rank {r}, {where}: {census['error']}."
+    if census["library"]:
+        return (f"rank {r}, {where}: the rank process holds {', '.join(census['library'])} "
+                f"(found among its live objects, wherever it is kept: an attribute, a closure, "
+                f"a global): this exercise asks you to do it by hand, not with torch's library.")
+    return None

@@ -54,14 +54,13 @@ def mlp_shapes(values, n: int) -> str | None:
 
 def mlp_held(values, n: int) -> str | None:
     """The rank process holds nothing more than its slices (counted over every live tensor)."""
-    from .check import _census_problem
 
     allowed = sum(torch.Size(s).numel() for s in _shards(n).values()) + SLACK
     full = sum(a * b + b for a, b in zip(J.MLP_DIMS[:-1], J.MLP_DIMS[1:]))
     for r, v in enumerate(values):
         for s, rec in enumerate(v["records"]):
             census = rec["census"]
-            problem = _census_problem(census, r, f"after step {s + 1}")
+            problem = J.census_problem(census, r, f"after step {s + 1}")
             if problem:
                 return problem
             if census["held"] > allowed:
@@ -75,7 +74,6 @@ def mlp_held(values, n: int) -> str | None:
 
 
 def mlp_numbers(values, n: int, steps: int, want: list[dict]) -> str | None:
-    from .check import COPY
 
     for s in range(steps):
         w = want[s]
@@ -87,7 +85,7 @@ def mlp_numbers(values, n: int, steps: int, want: list[dict]) -> str | None:
                             f"add it once, after the all-reduce of the partial sums.")
                 return (f"step {s + 1}, rank {r}: the output differs from one process. Broadcast "
                         f"rank 0's MLP before slicing it (every rank built its own), and "
-                        f"all-reduce the partial outputs of fc2. {COPY}")
+                        f"all-reduce the partial outputs of fc2. {J.COPY}")
             grads = got["grads"]
             if _close(grads["fc1.weight"], n * w["grads"][r]["fc1.weight"]):
                 return (f"step {s + 1}, rank {r}: fc1's gradients are {n}x one process's: the "
@@ -110,13 +108,12 @@ def mlp_numbers(values, n: int, steps: int, want: list[dict]) -> str | None:
 def mlp_comm(values, n: int, want: list[dict]) -> str | None:
     """One all-reduce each way, carrying this rank's own partial sums: batch × d_out forward
     (``h_r · W2_rᵀ``), batch × d_in backward (``grad_pre_r · W1_r``)."""
-    from .check import _census_problem
 
     d_in, _, d_out = J.MLP_DIMS
     shapes = {"forward": (J.MLP_BATCH, d_out), "backward": (J.MLP_BATCH, d_in)}
     for r, v in enumerate(values):
         for s, rec in enumerate(v["records"]):
-            problem = _census_problem(rec["census"], r, f"after step {s + 1}")
+            problem = J.census_problem(rec["census"], r, f"after step {s + 1}")
             if problem:
                 return problem.replace("by hand, not with torch's library",
                                        "by hand, not with parallelize_module")

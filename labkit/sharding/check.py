@@ -101,22 +101,6 @@ def _grade(job, cls, world_sizes, steps: int, names, judge) -> list[Case]:
     return cases
 
 
-COPY = ("Weights and data are drawn afresh in every grading from each rank's own secret: a "
-        "precomputed or copied result (the checker's oracle) cannot match.")
-
-
-def _census_problem(census: dict, r: int, where: str) -> str | None:
-    """A census the rank could not take (the answer tampered with the collector), or a library
-    object found anywhere in the rank process."""
-    if "error" in census:
-        return f"rank {r}, {where}: {census['error']}."
-    if census["library"]:
-        return (f"rank {r}, {where}: the rank process holds {', '.join(census['library'])} "
-                f"(found among its live objects, wherever it is kept: an attribute, a closure, "
-                f"a global): this exercise asks you to do it by hand, not with torch's library.")
-    return None
-
-
 # ------------------------------------------------------------- exercise 1: ZeRO-1 optimizer
 PSI = sum(math.prod(s) for s in ((J.OPT_DIMS[1], J.OPT_DIMS[0]), (J.OPT_DIMS[1],),
                                  (J.OPT_DIMS[2], J.OPT_DIMS[1]), (J.OPT_DIMS[2],)))
@@ -156,7 +140,7 @@ def _params_problem(values, name: str, n: int, steps: int) -> str | None:
             return (f"after step {s + 1}, rank {r}'s parameters differ from one process by up "
                     f"to {diff:.3g}. Broadcast rank 0's parameters in __init__ (every rank "
                     f"built its model from its own secret seed), average the gradients, update "
-                    f"your slice and all-gather. {COPY}")
+                    f"your slice and all-gather. {J.COPY}")
     return None
 
 
@@ -165,7 +149,7 @@ def _state_problem(values, n: int) -> str | None:
     limit, floor = 3 * k_all + 16, 2 * (TRAINABLE // n) - 16   # Adam: 2 moments + a slice
     for r, v in enumerate(values):
         for s, census in enumerate(v["Adam"]["census"]):
-            problem = _census_problem(census, r, f"after step {s + 1}")
+            problem = J.census_problem(census, r, f"after step {s + 1}")
             if problem:
                 return problem
             got = census["held"]
@@ -252,7 +236,7 @@ def _linear_numbers(values, n: int, steps: int) -> str | None:
                     return (f"step 1, rank {r}: the output differs from one process. The "
                             f"gathered weight is not rank 0's layer: broadcast it before "
                             f"sharding (each rank built its own), and put the shards "
-                            f"together in rank order. {COPY}")
+                            f"together in rank order. {J.COPY}")
                 return (f"step {s + 1}, rank {r}: the output uses stale weights: gather the "
                         f"*current* shards in every forward (the checker updated them).")
             g, wg = got["shard_grad"], w["shard_grad"][r]
@@ -294,7 +278,7 @@ def _linear_memory(values, n: int) -> str | None:
                     f"be one (a kept nn.Linear keeps the full weight).")
         for s, rec in enumerate(v["records"]):
             census = rec["census"]
-            problem = _census_problem(census, r, f"after step {s + 1}")
+            problem = J.census_problem(census, r, f"after step {s + 1}")
             if problem:
                 return problem
             if census["held"] >= full:
