@@ -9,8 +9,6 @@
 * :mod:`~labkit.collectives.bandwidth` — measured bandwidth, the α–β model and its labelled
   prediction (``lk.bandwidth``, ``python -m labkit bench allreduce``);
 * :mod:`~labkit.collectives.cases` — the exercise's tensors and the job each rank runs on them;
-* :mod:`~labkit.collectives.watch` — collectives and bytes seen below every route an answer
-  could take (gloo's flight recorder, the kernel's TCP counters);
 * :mod:`~labkit.collectives.check` — the exercise checker and the quiz keys.
 
 ``lk.collectives.X`` reaches the names below.

@@ -19,7 +19,7 @@ import os
 import zlib
 from typing import Any, Callable
 
-from .watch import Watch
+from ..grading.watch import Watch
 
 __all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job"]
 

@@ -4,11 +4,13 @@ Each case of :data:`~labkit.collectives.cases.CASES` runs on real ranks
 (:func:`~labkit.collectives.cases.compare_job`), on 2, 3 and 4 of them; on 3 and 4 the
 traffic case checks that each rank sends at most 2(N-1)/N·S bytes. A case passes only when
 every rank's result equals ``dist.all_reduce``'s, the ranks agree bit for bit, and no
-collective ran while the answer did. What the checker trusts (:mod:`labkit.collectives.watch`):
+collective ran while the answer did. What the checker trusts (:mod:`labkit.grading.watch`):
 every rank draws its inputs from a secret only it holds, so no rank can know another's tensor
 without receiving it; gloo's flight recorder lists any collective the answer reached, whatever
-the route; bytes come from the kernel's TCP counters. A case the checker cannot verify fails
-and says why. Exposed as ``lk.collectives.CASES`` and ``lk.collectives.check_ring_exercise``.
+the route; bytes come from the kernel's TCP counters of gloo's sockets (the TCPStore's left
+out), and a right result whose rank sent fewer bytes than its own tensor holds came through a
+side channel (the store, a file) and fails. A case the checker cannot verify fails and says
+why. Exposed as ``lk.collectives.CASES`` and ``lk.collectives.check_ring_exercise``.
 The quiz keys of notebook 03 (computed from the learner's own traced runs) are here too.
 """
 from __future__ import annotations
@@ -149,7 +151,8 @@ def _last_case(stdout: str) -> str | None:
 
 
 def _watched_problem(mine: list[dict]) -> str | None:
-    """Why a case fails whatever its numbers: a rank unwatched, or a collective it ran."""
+    """Why a case fails whatever its numbers: a rank unwatched, a collective it ran, or a right
+    result with fewer bytes sent on gloo's sockets than the rank's own tensor holds."""
     for r, row in enumerate(mine):
         if row.get("unwatched"):
             return f"cannot verify on rank {r}: {row['unwatched']}"
@@ -160,6 +163,14 @@ def _watched_problem(mine: list[dict]) -> str | None:
                     f"recorded it whatever the route (dist.*, the process group object, a "
                     f"group of your own). Build the all-reduce from dist.isend/irecv "
                     f"(point-to-point messages) instead")
+    for r, row in enumerate(mine):
+        need = row["numel"] * row["element_size"]
+        if row["ok"] and row["sent"] < need:
+            return (f"side channel: rank {r}'s result is right, but its gloo sockets sent "
+                    f"{row['sent']} bytes for a {need}-byte tensor, and every rank's input has "
+                    f"to leave it. The data went some way that is not point-to-point (the "
+                    f"process group's TCPStore, a file, shared memory): send it with "
+                    f"dist.isend/irecv")
     return None
 
 
@@ -179,10 +190,6 @@ def _traffic(n: int, rows: list[list[dict]], res) -> tuple:
                        f"({sent[wrong]['detail']}); bytes only count for a correct all-reduce")
     s = sent[0]["numel"] * sent[0]["element_size"]
     limit = 2 * (n - 1) / n * s
-    if all(row["sent"] <= 0 for row in sent):
-        return False, ("cannot verify: the result is right but no rank's TCP sockets sent a "
-                       "byte while your function ran; the data moved some way the checker "
-                       "cannot see. Use dist.isend/irecv")
     worst = max(range(n), key=lambda r: sent[r]["sent"])
     most = sent[worst]["sent"]
     if most > limit + 2 * (n - 1) * _HEADER_BYTES:

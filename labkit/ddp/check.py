@@ -13,7 +13,12 @@ Graded in the style of Stanford CS336 assignment 2, but stricter:
   other ranks' gradients, and a wrapper that skips step 1 (broadcast rank 0's parameters *and*
   buffers) starts from the wrong weights;
 * the wrapper must **overlap**: every gradient is all-reduced asynchronously during backward
-  (not a token all-reduce), and every handle is waited for before the optimizer step;
+  (not a token all-reduce, and not a decoy: what those all-reduces carry must be this rank's
+  gradients, by their sum of squares), and every handle is waited for before the optimizer
+  step;
+* **no side channel**: each rank counts the bytes its gloo sockets sent during each step
+  (:func:`labkit.grading.watch.tcp_bytes_sent`, the TCPStore's sockets left out); a rank
+  that sent less than its gradients hold got the average some other way (the store, a file);
 * **short timeouts**: an answer that deadlocks fails in seconds, naming the rank and the line.
 
 Example::
@@ -29,6 +34,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from ..grading.watch import store_port, tcp_bytes_sent
 from ..common.ranks import device
 from ..grading.exercise import Case
 from ..runtime import run
@@ -54,7 +60,8 @@ class _Spy:
         # positional order: all_reduce(tensor, op, group, async_op)
         is_async = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
         call = {"during": torch._C._current_graph_task_id() != -1, "async": is_async,
-                "numel": tensor.numel(), "waited": not is_async}
+                "numel": tensor.numel(), "waited": not is_async,
+                "sumsq": float(tensor.detach().double().square().sum())}
         self.calls.append(call)
         work = self.original(tensor, *args, **kwargs)
         return _Handle(work, call) if is_async and work is not None else work
@@ -98,9 +105,9 @@ def _rank_case(rank: int, world_size: int, answer, mode: str, steps: int, lr: fl
         wrapped = answer(model) if mode == "wrapper" else model
         start = state_of(model)
         batches = rank_batches(rank, world_size, secret, steps)
-        steps_out = []
+        steps_out, port = [], store_port()
         for x, y in batches:
-            first = len(spy.calls)
+            first, sent = len(spy.calls), tcp_bytes_sent(port)
             model.zero_grad()
             F.cross_entropy(wrapped(x.to(device())), y.to(device())).backward()
             if mode == "wrapper":
@@ -109,8 +116,10 @@ def _rank_case(rank: int, world_size: int, answer, mode: str, steps: int, lr: fl
                 answer(model)
             grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
                      for n, p in model.named_parameters()}
+            after = tcp_bytes_sent(port)
             sgd_step(model, lr)
             steps_out.append({"grads": grads, "params": state_of(model),
+                              "sent": None if None in (sent, after) else after - sent,
                               "calls": [dict(c) for c in spy.calls[first:]]})
     finally:
         dist.all_reduce = spy.original
@@ -187,7 +196,32 @@ def _compare(world_size: int, values: list[dict], oracle: list[dict]) -> str | N
     return None
 
 
-def _overlap_problem(values: list[dict]) -> str | None:
+def _side_channel_problem(values: list[dict]) -> str | None:
+    """A rank whose gloo sockets sent less than its gradients hold got the average elsewhere."""
+    need = 4 * sum(p.numel() for p in TiedTiny().parameters() if p.requires_grad)
+    for r, v in enumerate(values):
+        for step, s in enumerate(v["steps"]):
+            if s["sent"] is None:
+                return (f"cannot verify step {step} on rank {r}: it has no TCP socket whose "
+                        f"byte counter can be read")
+            if s["sent"] < need:
+                return (f"side channel: the gradients are right, but at step {step} rank {r}'s "
+                        f"gloo sockets sent {s['sent']} bytes, less than its {need} bytes of "
+                        f"gradients; every rank's gradients must leave it. They went some way "
+                        f"that is not a collective (the process group's TCPStore, a file): "
+                        f"use dist.all_reduce")
+    return None
+
+
+def _carried(calls: list[dict], local: dict, world_size: int) -> bool:
+    """Did the all-reduces launched during backward carry this rank's gradients (sum of
+    squares equal to the local gradients', or to theirs divided by world_size first)?"""
+    got = sum(c["sumsq"] for c in calls if c["during"] and c["async"])
+    want = sum(float(g.double().square().sum()) for g in local.values() if g is not None)
+    return any(abs(got - w) <= 1e-3 * w + 1e-12 for w in (want, want / world_size ** 2))
+
+
+def _overlap_problem(values: list[dict], oracle: list[dict]) -> str | None:
     """The wrapper's all-reduces: every gradient in flight during backward, every handle waited."""
     need = sum(p.numel() for p in TiedTiny().parameters() if p.requires_grad)
     for r, v in enumerate(values):
@@ -201,6 +235,11 @@ def _overlap_problem(values: list[dict]) -> str | None:
                 return (f"step {step}, rank {r}: only {overlapped} of the {need} gradient "
                         f"elements were all-reduced asynchronously during backward; every "
                         f"gradient's all-reduce must start from its hook.")
+            if not _carried(s["calls"], oracle[step]["local"][r], len(values)):
+                return (f"step {step}, rank {r}: the all-reduces launched during backward did "
+                        f"not carry this rank's gradients (their sum of squares differs): a "
+                        f"decoy, a tensor kept aside (hidden state) while the real averaging "
+                        f"happened elsewhere. All-reduce each parameter's .grad from its hook.")
             unwaited = sum(not c["waited"] for c in s["calls"])
             if unwaited:
                 return (f"step {step}, rank {r}: finish_gradient_synchronization() returned "
@@ -237,7 +276,9 @@ def _failure(name: str, bad) -> Case:
 def _run_case(answer, mode: str, world_size: int, steps: int, lr: float):
     """(Case or None, flag): flag is "stub" for an unanswered exercise, "stop" after a deadlock."""
     name = f"{world_size} ranks"
-    res = run(_rank_case, world_size, args=(answer, mode, steps, lr), timeout=TIMEOUT_S,
+    # gloo: every rank's gradients must cross its TCP sockets, where the kernel counts them
+    res = run(_rank_case, world_size, args=(answer, mode, steps, lr), backend="gloo",
+              timeout=TIMEOUT_S,
               deadline=TIMEOUT_S + 4.0, check=False, echo=False)
     if not res.ok:
         bad = res.first_failure()
@@ -248,9 +289,10 @@ def _run_case(answer, mode: str, world_size: int, steps: int, lr: float):
     values = res.values
     shards = [[values[r]["batches"][s] for r in range(world_size)] for s in range(steps)]
     oracle = oracle_history(world_size, steps, lr, init=values[0]["before"], shards=shards)
-    problem = _start_problem(values, mode) or _compare(world_size, values, oracle)
+    problem = _start_problem(values, mode) or _compare(world_size, values, oracle) or \
+        _side_channel_problem(values)
     if problem is None and mode == "wrapper":
-        problem = _overlap_problem(values)
+        problem = _overlap_problem(values, oracle)
     if problem:
         return Case(name, False, problem), None
     calls = sum(len(s["calls"]) for s in values[0]["steps"])

@@ -5,7 +5,10 @@ loop on real ranks and compares every replica with one process training on the w
 each rank's shard (``P.shard_batch``) is data only that rank has, drawn from a secret of its
 own, and the rows of the "global batch" that belong to other ranks are NaN, so a loop that
 skips the all-reduce, trains every rank on the whole batch or returns the oracle's own
-fingerprint fails; :func:`check_staleness_lr` drives the delay-k simulation with the learner's
+fingerprint fails; and each rank counts the bytes its gloo sockets sent while the loop ran
+(:func:`labkit.grading.watch.tcp_bytes_sent`, the TCPStore's left out), so a loop that
+averaged through a side channel (the store, a file) instead of a collective fails too;
+:func:`check_staleness_lr` drives the delay-k simulation with the learner's
 learning-rate rule at every delay from 0 to 16.
 The quiz keys read the answer out of the learner's own runs (the mystery hang, the flight
 recorder, the parameter server).
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from ..grading.watch import store_port, tcp_bytes_sent
 from ..diagnosis import compare_fingerprints, compare_flight_records, diagnose, fingerprint
 from ..grading.exercise import case
 from ..runtime import run
@@ -43,11 +47,15 @@ def _private_data(rank: int, world_size: int, fn, steps: int) -> dict:
         return x, y                    # the other ranks' rows are theirs: NaN here
 
     divergence.global_batch = global_batch   # what shard_batch (and global_batch) read
+    port = store_port()
+    before = tcp_bytes_sent(port)
     try:
         fp = fn(rank, world_size, steps=steps)
     finally:
         divergence.global_batch = original
-    return {"fingerprint": fp, "shards": shards}
+    after = tcp_bytes_sent(port)
+    return {"fingerprint": fp, "shards": shards,
+            "sent": None if None in (before, after) else after - before}
 
 
 def _oracle(values: list[dict], steps: int, lr: float = 0.1):
@@ -64,12 +72,28 @@ def _oracle(values: list[dict], steps: int, lr: float = 0.1):
     return fingerprint(model)
 
 
+def _side_channel(values: list[dict], steps: int) -> str | None:
+    """A rank whose gloo sockets sent less than its gradients of every step hold."""
+    need = 4 * steps * sum(p.numel() for p in divergence.tiny_model().parameters())
+    for r, v in enumerate(values):
+        if v["sent"] is None:
+            return f"cannot verify rank {r}: it has no TCP socket whose byte counter can be read"
+        if v["sent"] < need:
+            return (f"side channel: the replicas are right, but rank {r}'s gloo sockets sent "
+                    f"{v['sent']} bytes in {steps} steps, less than its {need} bytes of "
+                    f"gradients; every rank's gradients must leave it. They went some way that "
+                    f"is not a collective (the process group's TCPStore, a file): use "
+                    f"dist.all_reduce")
+    return None
+
+
 def check_replica_training(fn) -> list:
     """Checker of exercise 04.fix_training: replicas identical AND equal to one-process training."""
     def on(world_size, steps):
         def test():
-            res = run(_private_data, world_size, args=(fn, steps), timeout=5, deadline=20,
-                      echo=False)
+            # gloo: the gradients must cross its TCP sockets, where the kernel counts them
+            res = run(_private_data, world_size, args=(fn, steps), backend="gloo", timeout=5,
+                      deadline=20, echo=False)
             for r, v in enumerate(res.values):
                 missing = [s for s in range(steps) if s not in v["shards"]]
                 assert not missing, (f"rank {r} never asked for its shard of step {missing[0]}: "
@@ -88,6 +112,8 @@ def check_replica_training(fn) -> list:
             o = compare_fingerprints([_oracle(res.values, steps), fps[0]], 1e-5)
             assert o.ok, ("replicas agree with each other but not with one process training on the "
                           "whole batch: average the gradients (sum / world_size), don't just sum")
+            problem = _side_channel(res.values, steps)
+            assert problem is None, problem
             return "identical replicas, equal to the one-process oracle"
         return test
     return [case(f"{n} ranks, {s} steps", on(n, s)) for n, s in ((2, 3), (3, 2))]

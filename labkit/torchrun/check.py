@@ -10,12 +10,17 @@ usual mistakes (no ``set_epoch``, the global batch on every rank, a scaled learn
 DDP wrap). Equal numbers are not enough, since one process training alone in each worker
 ends with them too: each worker also reports (:func:`_watched`) the DistributedSampler it
 built and the collectives gloo ran for it (its flight recorder: see
-:mod:`labkit.collectives.watch`), so a worker must shard the data and all-reduce every
-gradient every step; the other cases count only for such a run. :func:`reference` is the uninterrupted run a restarted one is compared
-with.
+:mod:`labkit.grading.watch`), so a worker must shard the data and all-reduce every
+gradient every step (from any thread: the recorder is the process's); the other cases count
+only for such a run. Counts alone pass decoys (zeros all-reduced beside a result copied from
+the oracle), so each worker's DistributedDataParallel also reports what it all-reduced, per
+step (:func:`_ddp_problem`): the sum of squares of its own shard's gradients along the
+training's trajectory, which only the real work produces. :func:`reference` is the
+uninterrupted run a restarted one is compared with.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from ..grading.exercise import case
@@ -34,12 +39,14 @@ LIMIT_S = 120.0   # one launch of the answer: ~15 s alone on 2 cores, several ti
 
 
 def oracle(epochs: int = 2, batch_size: int = 32, lr: float = 0.1, *, set_epoch: bool = True,
-           momentum: float = 0.9) -> dict:
+           momentum: float = 0.9, local: list | None = None, world: int = 2) -> dict:
     """Final parameters of one process training on the global batch in DistributedSampler order.
 
     What a correct ``train_ddp(epochs, batch_size, lr)`` on any number of ranks
     must end with (up to float rounding): DDP averages the ranks' gradients, and
-    the ranks' shards of step k together are exactly global batch k.
+    the ranks' shards of step k together are exactly global batch k (rank r's batch is
+    ``b[r::world]`` of global batch ``b``). ``local``, if given, gets one row per step: the sum
+    of squares of each of ``world`` ranks' own gradient, what its DDP all-reduces.
     """
     import torch
     import torch.nn.functional as F
@@ -55,11 +62,27 @@ def oracle(epochs: int = 2, batch_size: int = 32, lr: float = 0.1, *, set_epoch:
         idx = torch.tensor(list(order))
         for k in range(0, len(idx), batch_size):
             b = idx[k:k + batch_size]
+            if local is not None:
+                local.append([_sumsq(torch.autograd.grad(
+                    F.cross_entropy(model(x[b[r::world]]), y[b[r::world]]),
+                    list(model.parameters()))) for r in range(world)])
             loss = F.cross_entropy(model(x[b]), y[b])
             opt.zero_grad()
             loss.backward()
             opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@functools.lru_cache(maxsize=8)
+def _trajectory(world: int, **kw) -> tuple[dict, list]:
+    """``oracle(**kw)``'s final parameters and its per-step local gradients (cached: the
+    checker asks for the same few runs in several cases)."""
+    local: list = []
+    return oracle(**kw, local=local, world=world), local
+
+
+def _sumsq(tensors) -> float:
+    return float(sum(t.detach().double().square().sum() for t in tensors))
 
 
 def _max_diff(a: dict, b: dict) -> tuple[float, str]:
@@ -88,15 +111,30 @@ def _watched(fn, kwargs: dict) -> dict:
     """Runs in each torchrun worker: the learner's function, and what it did to shard and sync.
 
     Returns ``{"value": its state_dict, "samplers": [{"replicas", "rank", "epochs"}],
-    "collectives": [(name, elements), ...]}``.
+    "collectives": [(name, elements), ...], "ddp_steps": [sum of squares, ...]}``: per step,
+    what every DistributedDataParallel it built all-reduced (a comm hook of the checker's that
+    runs torch's default ``allreduce_hook``; an answer that registers its own comm hook fails).
     """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DistributedSampler
 
-    from ..collectives.watch import last_record_id, recorded
+    from ..grading.watch import last_record_id, recorded
     from ..runtime.torchrun_function import _plain
 
     samplers: list[dict] = []
     init, iterate = DistributedSampler.__init__, DistributedSampler.__iter__
+    ddp_init, steps = DDP.__init__, []
+
+    def watched_ddp(self, *args, **kw):     # the default all-reduce, noting what it carried
+        ddp_init(self, *args, **kw)
+
+        def carried(state, bucket):
+            if bucket.index() == 0 or not steps:
+                steps.append(0.0)           # the reducer launches bucket 0 first, each step
+            steps[-1] += _sumsq([bucket.buffer()])
+            return allreduce_hook(state, bucket)
+        self.register_comm_hook(None, carried)
 
     def watched_init(self, *args, **kw):
         init(self, *args, **kw)
@@ -108,12 +146,15 @@ def _watched(fn, kwargs: dict) -> dict:
         return iterate(self)
 
     DistributedSampler.__init__, DistributedSampler.__iter__ = watched_init, watched_iter
+    DDP.__init__ = watched_ddp
     mark = last_record_id()
     try:
         value = _plain(fn(**kwargs))
     finally:
         DistributedSampler.__init__, DistributedSampler.__iter__ = init, iterate
-    return {"value": value, "samplers": samplers, "collectives": recorded(mark)}
+        DDP.__init__ = ddp_init
+    return {"value": value, "samplers": samplers, "collectives": recorded(mark),
+            "ddp_steps": steps}
 
 
 def _sync_problem(report: dict, world: int, kw: dict) -> str | None:
@@ -131,9 +172,43 @@ def _sync_problem(report: dict, world: int, kw: dict) -> str | None:
     reduced = sum(n for name, n in seen.get("collectives", []) if name == "gloo:all_reduce")
     if reduced < steps * params:
         return (f"rank {rank} all-reduced {reduced} elements in all; averaging all {params} "
-                f"gradients in each of the {steps} steps takes at least {steps * params}. Wrap "
-                f"the model: DistributedDataParallel(model) all-reduces them during backward")
+                f"gradients in each of the {steps} steps takes at least {steps * params} "
+                f"(gradients averaged any other way, through a side channel such as the process "
+                f"group's TCPStore or a file, do not count). Wrap the model: "
+                f"DistributedDataParallel(model) all-reduces them during backward")
     return None
+
+
+def _ddp_problem(reports: list[dict], world: int, kw: dict) -> str | None:
+    """Did every worker's DDP all-reduce its own shard's gradients, every step, along one of the
+    trajectories its result could come from (the right one, or one of the usual mistakes)?
+    Counts alone pass decoys: zeros all-reduced while the result is copied from elsewhere."""
+    got = {r["rank"]: (r.get("value") or {}).get("ddp_steps") or [] for r in reports}
+    for rank, steps in got.items():
+        if not steps:
+            return (f"rank {rank} wrapped no model in DistributedDataParallel, so what it "
+                    f"all-reduced cannot be tied to its gradients (decoy all-reduces beside a "
+                    f"result copied from elsewhere pass every count). Wrap the model: "
+                    f"DistributedDataParallel(model)")
+    why = ""
+    for make in [lambda kw, w: kw] + [m for m, _ in _MISTAKES]:
+        local = _trajectory(world, **make(kw, world))[1]
+        for rank, steps in got.items():
+            want = [row[rank] for row in local]
+            bad = next((k for k, (g, w) in enumerate(zip(steps, want))
+                        if abs(g - w) > 1e-3 * w + 1e-12), None)
+            if bad is not None or len(steps) != len(want):
+                why = why or (
+                    f"rank {rank}: it synchronised {len(steps)} steps, the training has "
+                    f"{len(want)}" if bad is None else
+                    f"rank {rank}, step {bad}: their sum of squares is {steps[bad]:.6g}, its "
+                    f"shard's gradients' {want[bad]:.6g}")
+                break
+        else:
+            return None
+    return (f"the gradients a DistributedDataParallel all-reduced are not those of the model on "
+            f"the rank's own shard ({why}): every step must backpropagate the mean "
+            f"cross-entropy of this rank's batch through the wrapped model it returns")
 
 
 def check_torchrun_exercise(fn) -> list:
@@ -173,8 +248,10 @@ def check_torchrun_exercise(fn) -> list:
                                                f"model.module.state_dict() on every rank")
         return f"torchrun --nproc-per-node={world}, train_ddp({kwtext}), both ranks exit 0"
 
+    @functools.cache
     def sync_problem() -> str | None:
-        return next((p for p in (_sync_problem(r, world, kw) for r in reports) if p), None)
+        return next((p for p in (_sync_problem(r, world, kw) for r in reports) if p), None) \
+            or _ddp_problem(reports, world, kw)
 
     def data_parallel():
         """The other cases grade a data-parallel script: one process alone passes them idly."""
@@ -192,12 +269,12 @@ def check_torchrun_exercise(fn) -> list:
 
     def matches():
         data_parallel()
-        want = oracle(**kw)
+        want = _trajectory(world, **kw)[0]
         d, name = _max_diff(values[0], want)
         if d <= 1e-5:
             return f"max |diff| from one process on the global batch: {d:.1e}"
         for mistake, why in _MISTAKES:
-            if _max_diff(values[0], oracle(**mistake(kw, world)))[0] <= 1e-5:
+            if _max_diff(values[0], _trajectory(world, **mistake(kw, world))[0])[0] <= 1e-5:
                 raise AssertionError(f"the parameters are off (max |diff| {d:.2e} in {name}): {why}")
         raise AssertionError(
             f"the parameters differ from one process training on the global batch (max |diff| "
@@ -209,8 +286,8 @@ def check_torchrun_exercise(fn) -> list:
         runs()
         problem = sync_problem()
         assert problem is None, problem
-        return "every rank trained on its own DistributedSampler shard and all-reduced its " \
-               "gradients every step (gloo's flight recorder)"
+        return "every rank trained on its own DistributedSampler shard and its DDP all-reduced " \
+               "its shard's gradients every step (gloo's flight recorder, a comm hook)"
 
     def destroyed():
         data_parallel()

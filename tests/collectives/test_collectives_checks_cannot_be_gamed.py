@@ -2,9 +2,26 @@
 
 Each lazy or wrong answer below must fail a named case, with a detail that says why, and the
 solution must still pass everything. Most answers run on 2 ranks only (faster); the ones
-whose only flaw is the traffic run on 3.
+whose only flaw is the traffic run on 3. The classes of shortcut, and the tests that feed them:
+
+* hidden state: n.a. as a class of its own: each call gets a tensor drawn from a secret the
+  rank draws per grading, so state kept from an earlier call holds nothing of this one
+  (``reads_the_oracle`` keeps none and still fails);
+* the library doing the work: ``test_a_collective_by_any_route_fails_every_case``
+  (dist.*, the group object, its backend, a group of its own, all_gather);
+* a copied oracle: ``reads_the_oracle`` (the checker's own case generator);
+* a side channel: the same test's ``from_a_thread``, and
+  ``test_a_side_channel_fails_every_case`` (the process group's TCPStore, a file in /tmp);
+* a computation not split as required: ``tutorial_ring`` and ``hidden_master`` (the whole
+  tensor sent instead of one chunk per step).
 """
 from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import threading
+import time
 
 import pytest
 import torch
@@ -38,6 +55,48 @@ def backend_object(tensor):
 
 def own_group(tensor):
     dist.all_reduce(tensor, group=dist.new_group(backend="gloo"))
+
+
+def from_a_thread(tensor):
+    """The library's all-reduce, issued from a helper thread the answer starts and joins."""
+    worker = threading.Thread(target=dist.all_reduce, args=(tensor,))
+    worker.start()
+    worker.join()
+
+
+def _call_number() -> int:
+    """How many times this rank has called a side-channel answer: the same on every rank."""
+    calls = int(os.environ.get("LABKIT_TEST_SIDE_CALLS", "0"))
+    os.environ["LABKIT_TEST_SIDE_CALLS"] = str(calls + 1)
+    return calls
+
+
+def through_the_store(tensor):
+    """Every rank puts its tensor into the process group's TCPStore and reads the others'."""
+    import io
+    store, n, me = dist.distributed_c10d._get_default_store(), dist.get_world_size(), \
+        dist.get_rank()
+    call, buf = _call_number(), io.BytesIO()
+    torch.save(tensor.contiguous(), buf)
+    store.set(f"side/{call}/{me}", buf.getvalue())
+    parts = [torch.load(io.BytesIO(store.get(f"side/{call}/{r}"))) for r in range(n)]
+    tensor.copy_(sum(parts[1:], parts[0].clone()))
+
+
+def through_a_file(tensor):
+    """Every rank saves its tensor to a file in /tmp and loads the others' (named after the
+    job's store port and this call, so no earlier job's file is read)."""
+    n, me, call = dist.get_world_size(), dist.get_rank(), _call_number()
+    name = os.path.join(tempfile.gettempdir(),
+                        f"labkit-side-{os.getppid()}-{os.environ['MASTER_PORT']}-{call}-{{}}.pt")
+    torch.save(tensor.contiguous(), name.format(f"{me}.tmp"))
+    os.replace(name.format(f"{me}.tmp"), name.format(me))
+    deadline = time.monotonic() + 4
+    while not all(os.path.exists(name.format(r)) for r in range(n)) and \
+            time.monotonic() < deadline:
+        time.sleep(0.005)
+    parts = [torch.load(name.format(r)) for r in range(n)]
+    tensor.copy_(sum(parts[1:], parts[0].clone()))
 
 
 def gather_then_add(tensor):
@@ -143,13 +202,29 @@ def test_do_nothing_scores_zero_on_every_world_size():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fn", [library_all_reduce, process_group_method, backend_object,
-                                own_group, own_gloo_on_a_file_store, gather_then_add])
+                                own_group, own_gloo_on_a_file_store, gather_then_add,
+                                from_a_thread])
 def test_a_collective_by_any_route_fails_every_case(fn):
     cases, failed = _failed(fn)
     assert len(failed) == len(cases)
     used = "all_gather" if fn is gather_then_add else "all_reduce"
     for name, detail in failed.items():
         assert f"ran a collective ({used})" in detail, (name, detail)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn", [through_the_store, through_a_file])
+def test_a_side_channel_fails_every_case(fn):
+    """Right sums, no collective: the bytes went around gloo's sockets, not through them."""
+    try:
+        cases, failed = _failed(fn)
+    finally:
+        for left in glob.glob(os.path.join(tempfile.gettempdir(), "labkit-side-*")):
+            os.remove(left)
+    assert set(failed) == {c.name for c in cases} - {"2 ranks, empty"}, failed
+    for name, detail in failed.items():
+        assert detail.startswith("side channel: rank 0's result is right, but its gloo "
+                                 "sockets sent 0 bytes"), (name, detail)
 
 
 @pytest.mark.timeout(60)

@@ -3,10 +3,27 @@
 Each lazy or wrong answer must fail a named case with a detail that says why; the notebook's
 solutions must still pass. Before this test the wrapper checker seeded every rank alike, so a
 wrapper that never broadcast rank 0's weights passed, and a token async all-reduce during
-backward counted as overlap.
+backward counted as overlap. The classes of shortcut, and the answers that feed them:
+
+* hidden state: ``reads_the_oracle`` (its step count in a default argument); for the wrapper
+  ``DecoyOverlap`` (a zero tensor kept in a closure is what overlaps, the real averaging comes
+  after backward);
+* the library doing the work: ``TorchDDPInside``, and ``TorchDDPBehindDecoys`` (torch's DDP
+  hidden in a closure, decoy all-reduces during backward); n.a. for average_gradients: it is
+  called after backward, where no library object can average for it but a collective, which
+  is the exercise;
+* a copied oracle: ``reads_the_oracle`` (the checker's own oracle module), and
+  ``ReadsTheOracle`` for the wrapper;
+* a side channel: ``through_the_store`` (the gradients averaged through the process group's
+  TCPStore), ``StoreBehindDecoys``; a collective issued from another thread is still the
+  collective (the spy patches ``dist.all_reduce`` for every thread);
+* a computation not split as required: n.a.: the split is the data, and each rank's batch is a
+  secret of its own, so no rank can compute on another's.
 """
 from __future__ import annotations
 
+import io
+import os
 import sys
 import time
 
@@ -63,7 +80,26 @@ def divides_by_two(model):
             p.grad /= 2                                        # right on 2 ranks only
 
 
+def _store_average(tensors):
+    """Average ``tensors`` over the ranks through the process group's TCPStore: no collective."""
+    store, n, me = dist.distributed_c10d._get_default_store(), dist.get_world_size(), \
+        dist.get_rank()
+    call = int(os.environ.get("LABKIT_TEST_SIDE_CALLS", "0"))
+    os.environ["LABKIT_TEST_SIDE_CALLS"] = str(call + 1)
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    store.set(f"side/{call}/{me}", buf.getvalue())
+    every = [torch.load(io.BytesIO(store.get(f"side/{call}/{r}"))) for r in range(n)]
+    for i, t in enumerate(tensors):
+        t.copy_(sum(e[i] for e in every) / n)
+
+
+def through_the_store(model):
+    _store_average([p.grad for p in model.parameters() if p.grad is not None])
+
+
 @pytest.mark.parametrize("answer, failing, words", [
+    (through_the_store, ["2 ranks", "3 ranks"], "side channel: the gradients are right"),
     (reads_the_oracle, ["2 ranks", "3 ranks"], "differs from the oracle"),
     (averages_a_copy, ["2 ranks", "3 ranks"], "still this rank's local gradient"),
     (first_parameter_only, ["2 ranks", "3 ranks"], "still this rank's local gradient"),
@@ -146,6 +182,59 @@ class NeverWaits(OverlapDDP):
         self.handles.clear()
 
 
+class DecoyOverlap(NaiveDDP):
+    """Zeros of every gradient's size, kept in a closure, all-reduced during backward to look
+    overlapped; the real (synchronous) averaging after backward."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.decoys = []
+        for p in module.parameters():
+            if p.requires_grad:
+                zeros = torch.zeros(p.numel())
+                p.register_post_accumulate_grad_hook(
+                    lambda p, z=zeros: self.decoys.append(dist.all_reduce(z, async_op=True)))
+
+    def finish_gradient_synchronization(self):
+        for w in self.decoys:
+            w.wait()
+        self.decoys.clear()
+        super().finish_gradient_synchronization()
+
+
+class TorchDDPBehindDecoys(DecoyOverlap):
+    """torch's DDP does the work, hidden in a closure; decoys overlap."""
+
+    def __init__(self, module):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(module)
+        super().__init__(module)
+        self.forward = lambda *a, **kw: ddp(*a, **kw)
+
+    def finish_gradient_synchronization(self):
+        for w in self.decoys:
+            w.wait()
+        self.decoys.clear()
+
+
+class StoreBehindDecoys(DecoyOverlap):
+    """Decoys overlap; the gradients are averaged through the TCPStore."""
+
+    def finish_gradient_synchronization(self):
+        for w in self.decoys:
+            w.wait()
+        self.decoys.clear()
+        _store_average([p.grad for p in self.module.parameters() if p.grad is not None])
+
+
+class ReadsTheOracle(OverlapDDP):
+    """Overlaps honestly, then replaces the averages with the checker's own oracle module's."""
+
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()
+        reads_the_oracle(self.module)
+
+
 class Summed(OverlapDDP):
     def _hook(self, param):
         self.handles.append(dist.all_reduce(param.grad, async_op=True))
@@ -176,6 +265,10 @@ class TorchDDPInside(nn.Module):
     (NeverWaits, "without waiting for 3 all-reduce handle(s)"),
     (Summed, "you summed the gradients"),
     (TorchDDPInside, "no all_reduce was launched with async_op=True during backward"),
+    (DecoyOverlap, "did not carry this rank's gradients"),
+    (TorchDDPBehindDecoys, "did not carry this rank's gradients"),
+    (StoreBehindDecoys, "did not carry this rank's gradients"),
+    (ReadsTheOracle, "differs from the oracle"),
 ])
 def test_a_wrapper_that_skips_a_step_fails(cls, words):
     case = check_ddp_wrapper(cls, world_sizes=(2,))[0]

@@ -290,10 +290,11 @@ def test_exercise_diagnoses_wrong_parameters(monkeypatch, mistake, words):
     """Without torchrun: feed the checker the parameters a mistaken run would end with."""
     from labkit.torchrun import check as TE
 
-    params = TE.oracle(**{**TE.EXERCISE_KWARGS, **mistake})
+    params, local = TE._trajectory(2, **{**TE.EXERCISE_KWARGS, **mistake})
     n = sum(p.numel() for p in T.make_model(dropout=0.0).parameters())
     seen = lambda r: {"value": params, "collectives": [("gloo:all_reduce", n)] * 64,   # noqa: E731
-                      "samplers": [{"replicas": 2, "rank": r, "epochs": [0, 1]}]}
+                      "samplers": [{"replicas": 2, "rank": r, "epochs": [0, 1]}],
+                      "ddp_steps": [row[r] for row in local]}
     fake = FunctionRun([{"rank": r, "error": None, "value": seen(r), "pg_left": False,
                          "stdout": ""} for r in (0, 1)], None)
     monkeypatch.setattr(TE, "run_function", lambda *a, **k: fake)

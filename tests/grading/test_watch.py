@@ -1,10 +1,11 @@
-"""Claims of labkit/collectives/watch.py (notebook 03 §7, the exercise checker), torch 2.13.0 gloo.
+"""Claims of labkit/grading/watch.py (notebook 03 §7, the exercise checker), torch 2.13.0 gloo.
 
 "gloo writes every collective it runs, on every process group of the process and whatever
 called it, into PyTorch's flight recorder ... point-to-point send/recv are not recorded."
 "the growth of that sum over the rank's sockets is what the rank put on the wire, gloo's
 framing included (measured on torch 2.13: 144 bytes per isend/irecv pair on top of the
-payload)."
+payload). The sockets of the process group's TCPStore (those on ``MASTER_PORT``) are left
+out."
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import labkit as lk
-from labkit.collectives import watch
+from labkit.grading import watch
 
 
 def _own_gloo_group(t):
@@ -129,6 +130,8 @@ def _window_job(rank, world_size, route):
     w.start()
     if route == "nothing":
         pass
+    elif route == "store":
+        dist.distributed_c10d._get_default_store().set(f"w{rank}", b"x" * 4000)
     else:
         ROUTES[route][0](torch.ones(4))
     return w.error, w.stop()
@@ -143,6 +146,8 @@ def test_a_window_counts_only_what_happened_inside_it():
     cheat = lk.run(_window_job, 2, args=("process group object",), backend="gloo",
                    echo=False).values
     assert [v[1]["collectives"] for v in cheat] == [["gloo:all_reduce"]] * 2
+    store = lk.run(_window_job, 2, args=("store",), backend="gloo", echo=False).values
+    assert store == [("", {"collectives": [], "sent": 0, "error": ""})] * 2   # not gloo's
 
 
 @pytest.mark.timeout(90)
