@@ -7,7 +7,9 @@ by value (cloudpickle) to ranks forked from a preloaded zygote
 group, and keeps them warm between jobs. Any failure — an exception,
 ``os._exit``, a signal, a hang — comes back as a
 :class:`~labkit.runtime.errors.JobFailed` naming the rank, and every rank of
-that job is gone before the error is raised.
+that job is gone before the error is raised. So it is for Ctrl-C (the notebook's stop button),
+at any moment of a job: ``KeyboardInterrupt`` comes at once, never lost
+(:class:`~labkit.runtime.pool.Interrupts`).
 
 Where it runs: Linux (what the lab is built and tested on). The runner forks ranks from a
 preloaded launcher and asks Linux's ``prctl(PR_SET_PDEATHSIG)`` to take them down with the
@@ -30,7 +32,7 @@ from typing import Any, Callable
 
 from .errors import BackendUnavailable, InvalidJob, UnsupportedPlatform, error_for
 from .pickling import pickle_job
-from .pool import Pool, Zygote
+from .pool import Interrupts, Pool, Zygote
 from .protocol import PoolSpec
 from .result import JobResult
 
@@ -99,21 +101,24 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
     t0 = time.perf_counter()
     if backend == "nccl":  # refuse before anything starts
         _resolve_backend(backend, world_size, None)
-    payload = pickle_job(fn, args, kwargs)
-    with _lock:
-        zygote = _zygote_for(env)               # starts importing torch in the background
-        backend = _resolve_backend(backend, world_size, zygote)
-        spec = PoolSpec(world_size=world_size, backend=backend, timeout=float(timeout),
-                        threads=threads, idle_timeout=_IDLE_S)
-        pool, cold = _pool_for(zygote, spec, fresh)
-        try:
-            result = pool.run_job(payload, timeout + 3.0 if deadline is None else deadline,
-                                  trace=trace)
-        except BaseException:  # KeyboardInterrupt included: no rank outlives its job
-            _drop_pool()
-            raise
-        if not (result.ok and pool.healthy):
-            _drop_pool()
+    with Interrupts.watch() as interrupts:  # Ctrl-C ends any wait below at once
+        with Interrupts.immediate():
+            payload = pickle_job(fn, args, kwargs)
+        with _lock:
+            zygote = _zygote_for(env)               # starts importing torch in the background
+            backend = _resolve_backend(backend, world_size, zygote)
+            spec = PoolSpec(world_size=world_size, backend=backend, timeout=float(timeout),
+                            threads=threads, idle_timeout=_IDLE_S)
+            pool, cold = _pool_for(zygote, spec, fresh)
+            try:
+                result = pool.run_job(payload, timeout + 3.0 if deadline is None else deadline,
+                                      trace=trace)
+                interrupts.check()  # one that came after the last wait (or in a finaliser)
+            except BaseException:  # KeyboardInterrupt included: no rank outlives its job
+                _drop_pool()
+                raise
+            if not (result.ok and pool.healthy):
+                _drop_pool()
     result.elapsed_s, result.cold, result.env = time.perf_counter() - t0, cold, env
     if echo:
         _echo(result)
@@ -273,15 +278,9 @@ def _pool_for(zygote, spec: PoolSpec, fresh: bool):
         _drop_pool()
     if _pool is not None:
         return _pool, False
-    try:
-        _pool = Pool(zygote, spec, _tmpdir())
-    except BaseException:  # e.g. interrupted mid-fork: the launcher's channel may hold half
-        _pool = None       # a conversation, so it goes too (with any rank it forked)
-        for key, z in list(_zygotes.items()):
-            if z is zygote:
-                del _zygotes[key]
-        zygote.close()
-        raise
+    # A start that fails or is interrupted kills its ranks (Pool, Zygote.fork); a zygote that
+    # failed is closed, and the next _zygote_for replaces it.
+    _pool = Pool(zygote, spec, _tmpdir())
     return _pool, True
 
 

@@ -5,6 +5,7 @@ environment. A :class:`Pool` is ``world_size`` ranks forked from it with a
 process group initialised; :meth:`Pool.run_job` sends one job to every rank
 and collects what each one did — returned, raised, died, or hung (then its
 stack is dumped) — into a :class:`~labkit.runtime.result.JobResult`.
+:class:`Interrupts` makes Ctrl-C (the notebook's stop button) end any of its waits at once.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 
 from .errors import LabkitError
@@ -30,6 +32,149 @@ from .stacks import parse_stack, where_stuck
 _GRACE_S = 1.5       # after a first failure, how long the others get to report
 _START_S = 120.0     # zygote import + rank start-up, on a loaded 2-core machine
 _REAP_S = 3.0        # how long a killed rank may take to be reaped
+_CLOSE_S = 1.0       # how long a closed zygote may take to exit before it is killed
+
+
+class Interrupts:
+    """Ctrl-C (SIGINT) during :func:`labkit.run`: never lost, raised where the runner cleans up.
+
+    Python runs a signal's handler in the main thread at its next bytecode, wherever that is:
+    inside a finaliser (a ``__del__`` or weakref callback the garbage collector runs) the
+    ``KeyboardInterrupt`` is only printed ("Exception ignored in ...") and lost. And a wait in
+    C (``poll``) is cut short only when the kernel delivered the signal to that thread, not to
+    another one. Either way the runner used to sit in its wait until the job's deadline. So,
+    while :meth:`watch` is on (main thread, Python's own SIGINT handler in place):
+
+    * SIGINT's handler records the interrupt; it raises at once only in :meth:`immediate`
+      blocks (pickling and unpickling: raising anywhere there is safe);
+    * the signal's wake-up descriptor (:func:`signal.set_wakeup_fd`, written by the C handler
+      in whichever thread the signal lands) is in every wait of the runner (:func:`wait_for`);
+    * each wait, and :meth:`check`, raise ``KeyboardInterrupt`` once one is recorded, except
+      in :meth:`deferred` blocks: killing ranks is never cut short by a second Ctrl-C.
+
+    With another SIGINT handler in place (the user's own) only the wake-up descriptor is used:
+    waits still wake, and that handler decides what a Ctrl-C does.
+    """
+
+    _current: "Interrupts | None" = None
+
+    def __init__(self, fd: int | None = None, own: bool = False):
+        self.fd, self.own, self.hit, self.seen = fd, own, False, b""
+        self._immediate = self._deferred = 0
+
+    @classmethod
+    def current(cls) -> "Interrupts | None":
+        """The watch on, if this thread is the one it serves (signals only reach the main one)."""
+        on = cls._current
+        return on if on is not None and threading.current_thread() is threading.main_thread() \
+            else None
+
+    @classmethod
+    @contextmanager
+    def watch(cls):
+        """Watch for Ctrl-C during one job; an interrupt not raised yet is raised at the end."""
+        if cls._current is not None or threading.current_thread() is not threading.main_thread():
+            yield cls.current() or cls()      # nested, or a thread that SIGINT never interrupts
+            return
+        handler = signal.getsignal(signal.SIGINT)
+        r, w = os.pipe()
+        self, old_fd = cls(r, own=handler is signal.default_int_handler), -1
+        try:
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            if self.own:
+                signal.signal(signal.SIGINT, self._on_sigint)
+            cls._current = self
+            yield self
+        finally:
+            cls._current = None
+            if self.own:
+                signal.signal(signal.SIGINT, handler)
+            signal.set_wakeup_fd(old_fd)
+            self._drain()
+            if old_fd >= 0 and self.seen:  # whoever waited on it before us gets its bytes
+                try:
+                    os.write(old_fd, self.seen)
+                except OSError:
+                    pass
+            os.close(r)
+            os.close(w)
+            self.fd = None
+        self.check()  # the job is over: an interrupt not raised yet is raised now
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.hit = True
+        if self._immediate and not self._deferred:
+            raise KeyboardInterrupt
+
+    def _drain(self) -> None:
+        while self.fd is not None:
+            try:
+                got = os.read(self.fd, 512)
+            except BlockingIOError:
+                return
+            self.seen += got
+            if self.own and signal.SIGINT in got:
+                self.hit = True
+            if not got:
+                return
+
+    def check(self) -> None:
+        """Raise ``KeyboardInterrupt`` if Ctrl-C came since the last check (not when deferred)."""
+        self._drain()
+        if self.hit and not self._deferred:
+            self.hit = False
+            raise KeyboardInterrupt
+
+    @classmethod
+    @contextmanager
+    def immediate(cls):
+        """A block that Ctrl-C may cut anywhere (nothing in it needs cleaning up); one that
+        a finaliser in it swallowed is raised at its end."""
+        with cls._counting("_immediate") as on:
+            if on is not None:
+                on.check()
+            yield
+            if on is not None:
+                on.check()
+
+    @classmethod
+    def deferred(cls):
+        """A block that Ctrl-C never cuts (cleanup); an interrupt in it is raised later."""
+        return cls._counting("_deferred")
+
+    @classmethod
+    @contextmanager
+    def _counting(cls, name: str):
+        on = cls.current()
+        if on is not None:
+            setattr(on, name, getattr(on, name) + 1)
+        try:
+            yield on
+        finally:
+            if on is not None:
+                setattr(on, name, getattr(on, name) - 1)
+
+
+def wait_for(objects: list, timeout: float) -> list:
+    """:func:`multiprocessing.connection.wait`, ended by Ctrl-C (``KeyboardInterrupt``).
+
+    Without :meth:`Interrupts.watch` on (another thread) it is the plain wait.
+    """
+    on = Interrupts.current()
+    if on is None:
+        return wait(objects, timeout)
+    end = time.monotonic() + timeout
+    while True:
+        on.check()
+        ready = wait([*objects, on.fd], max(0.0, end - time.monotonic()))
+        if on.fd not in ready:
+            return ready
+        on.check()
+        ready.remove(on.fd)
+        if ready or time.monotonic() >= end:
+            return ready
 
 
 class Zygote:
@@ -57,7 +202,7 @@ class Zygote:
         """One message (and any file descriptors) or None on timeout; EOF raises."""
         if self.sock.fileno() < 0:
             raise LabkitError("the rank launcher (zygote) was closed")
-        if not wait([self.sock], timeout):
+        if not wait_for([self.sock], timeout):
             return None
         data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 64)
         if not data:
@@ -84,15 +229,43 @@ class Zygote:
         return self.gpus
 
     def fork(self, spec: PoolSpec) -> tuple[list[int], list[Connection]]:
-        deadline = time.monotonic() + _START_S
+        """Fork ``spec.world_size`` ranks: their pids and connections.
+
+        Interrupted once the zygote is forking, it still takes the zygote's answer (for at most
+        ``_REAP_S``) to kill and reap what was forked, so the zygote stays warm; a zygote that
+        fails, or does not answer, is closed with every rank it forked."""
         self.gpu_count()
         self.sock.send(pickle.dumps((FORK, spec)))
+        try:
+            return self._forked(_START_S)
+        except KeyboardInterrupt:
+            with Interrupts.deferred():
+                try:
+                    pids, conns = self._forked(_REAP_S)
+                    self.kill(pids, conns)
+                except BaseException:  # noqa: BLE001 - no answer: the zygote goes instead
+                    self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def _forked(self, limit: float) -> tuple[list[int], list[Connection]]:
+        deadline = time.monotonic() + limit
         while True:
             got = self._recv(max(0.0, deadline - time.monotonic()))
             if got is None:
                 raise LabkitError("the rank launcher did not fork the ranks")
             if got[0][0] == FORKED:
                 return got[0][1], [Connection(fd) for fd in got[1]]
+
+    def kill(self, pids: list[int], conns: list[Connection]) -> None:
+        """SIGKILL these ranks and wait until this zygote has reaped them all."""
+        with Interrupts.deferred():
+            signal_all(pids, signal.SIGKILL)
+            for conn in conns:
+                conn.close()
+            self.wait_exits(pids)
 
     def wait_exits(self, pids, timeout: float = _REAP_S) -> None:
         deadline = time.monotonic() + timeout
@@ -110,12 +283,15 @@ class Zygote:
             return "(no log)"
 
     def close(self) -> None:
-        self.sock.close()                      # EOF: the zygote kills its ranks and exits
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """End the zygote: at EOF it kills and reaps its ranks and exits; one still busy after
+        ``_CLOSE_S`` (importing, forking) is killed, its ranks with it (PR_SET_PDEATHSIG)."""
+        with Interrupts.deferred():
+            self.sock.close()
+            try:
+                self.proc.wait(timeout=_CLOSE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 class Pool:
@@ -143,7 +319,7 @@ class Pool:
     def _expect(self, rank: int, kind: str, limit: float):
         conn = self.conns[rank]
         try:
-            if conn.poll(limit):
+            if wait_for([conn], limit):
                 msg = conn.recv()
                 if msg[0] == kind:
                     return msg[1]
@@ -180,14 +356,15 @@ class Pool:
         first_fail = None
         while pending:
             limit = end if first_fail is None else min(end, first_fail + _GRACE_S)
-            ready = wait([self.conns[r] for r in pending] + [self.zygote.sock],
-                         max(0.0, limit - time.monotonic()))
+            ready = wait_for([self.conns[r] for r in pending] + [self.zygote.sock],
+                             max(0.0, limit - time.monotonic()))
             if not ready:
                 break
             for r in [r for r in pending if self.conns[r] in ready]:
                 try:
-                    _, report = self.conns[r].recv()
-                    _fill(ranks[r], report)
+                    with Interrupts.immediate():
+                        _, report = self.conns[r].recv()
+                        _fill(ranks[r], report)
                     self.healthy &= report.get("pg_alive", True)
                 except (EOFError, OSError):
                     died.add(r)
@@ -221,7 +398,7 @@ class Pool:
             return ""
         end, last = time.monotonic() + 1.0, -1
         while time.monotonic() < end:  # faulthandler writes from the signal handler
-            time.sleep(0.02)
+            wait_for([], 0.02)
             size = os.path.getsize(path)
             if size and size == last:
                 break
@@ -231,10 +408,7 @@ class Pool:
     def kill(self, keep_files: bool = False) -> None:
         """SIGKILL every rank and wait until the zygote has reaped them all."""
         self.healthy = False
-        signal_all(self.pids, signal.SIGKILL)
-        for conn in self.conns:
-            conn.close()
-        self.zygote.wait_exits(self.pids)
+        self.zygote.kill(self.pids, self.conns)
         if not keep_files:
             shutil.rmtree(self.dir, ignore_errors=True)
 

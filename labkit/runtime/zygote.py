@@ -51,7 +51,25 @@ def zygote_main(fd: int) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set[int] = set()
-    _send(ctrl, (HELLO, os.getpid(), _probe_gpus()))
+    try:
+        _send(ctrl, (HELLO, os.getpid(), _probe_gpus()))
+        _serve(ctrl, children, wake_r, wake_w, idle_s)
+    except BaseException:  # noqa: BLE001 - e.g. the kernel closed mid-fork (a broken pipe)
+        traceback.print_exc()
+    # Whatever ended the loop, leave at once (not through the interpreter's slow exit with
+    # torch loaded), taking every rank with us: killed and reaped, no zombie left for init.
+    signal_all(children, signal.SIGKILL)
+    for pid in children:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    os._exit(0)
+
+
+def _serve(ctrl: socket.socket, children: set[int], wake_r: int, wake_w: int,
+           idle_s: float) -> None:
+    """Fork ranks on request until the kernel goes, asks us to exit, or we were idle long."""
     preloaded = False
     while True:
         ready, _, _ = select.select([ctrl, wake_r], [], [], idle_s if preloaded else 0.25)
@@ -62,15 +80,15 @@ def zygote_main(fd: int) -> None:
             preloaded = _preload_dynamo()
             continue
         if not ready and not children:
-            break  # idle: the kernel starts a new zygote when it needs one
+            return  # idle: the kernel starts a new zygote when it needs one
         if wake_r in ready:
             os.read(wake_r, 4096)
         _reap(ctrl, children)
         if ctrl not in ready:
             continue
         data = ctrl.recv(1 << 16)
-        if not data:  # the kernel is gone: take every rank with us
-            break
+        if not data:  # the kernel is gone
+            return
         msg = pickle.loads(data)
         if msg[0] == FORK:
             # A job asked for before the first idle moment (Run All, a script): import
@@ -81,13 +99,13 @@ def zygote_main(fd: int) -> None:
             preloaded = preloaded or _preload_dynamo()
             conns, pids = _fork_ranks(msg[1], ctrl, wake_r, wake_w)
             children.update(pids)
-            _send(ctrl, (FORKED, pids), [c.fileno() for c in conns])
-            for c in conns:
-                c.close()
+            try:
+                _send(ctrl, (FORKED, pids), [c.fileno() for c in conns])
+            finally:
+                for c in conns:
+                    c.close()
         elif msg[0] == EXIT:
-            break
-    signal_all(children, signal.SIGKILL)
-    os._exit(0)
+            return
 
 
 def _preload_dynamo() -> bool:

@@ -1,4 +1,7 @@
-"""The failure table: every way a rank can fail, each named, bounded in time, leaving nothing behind."""
+"""The failure table: every way a rank can fail, each named, bounded in time, leaving nothing behind.
+
+Ctrl-C during a job, at every stage: tests/runtime/test_interrupts.py.
+"""
 from __future__ import annotations
 
 import os
@@ -172,16 +175,6 @@ def test_a_rank_killed_from_outside_is_named():
     assert_no_ranks_left()
 
 
-@pytest.mark.timeout(25)   # the job alone would run 33 s: the interrupt must end it at once
-def test_keyboard_interrupt_kills_the_job():
-    lk.run(lambda r, w: None, world_size=3, echo=False)
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        lk.run(sleeps_instead, world_size=3, timeout=30, echo=False)
-    assert_no_ranks_left()
-    assert lk.run(lambda r, w: r, world_size=3, echo=False).values == [0, 1, 2]
-
-
 def test_failed_job_output_is_still_printed(capsys):
     def chatty(rank, world_size):
         print(f"about to fail on {rank}")
@@ -196,18 +189,3 @@ def test_failed_job_output_is_still_printed(capsys):
 def test_check_false_returns_the_failed_result():
     res = lk.run(raises, world_size=2, check=False, echo=False)
     assert not res.ok and res.failed_ranks and res.first_failure().rank == 1
-
-
-def test_interrupt_while_ranks_start_discards_the_launcher(monkeypatch):
-    from labkit.runtime.pool import Pool
-
-    lk.shutdown()
-    def interrupted(self, limit):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Pool, "_rendezvous", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        lk.run(lambda r, w: r, world_size=2, echo=False)
-    monkeypatch.undo()
-    assert_no_ranks_left()
-    assert lk.run(lambda r, w: r, world_size=2, echo=False).values == [0, 1]
