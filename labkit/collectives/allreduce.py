@@ -119,7 +119,7 @@ def _exchange(out, right: int, incoming, left: int, trace, step: int, send_c: in
     if not ops:
         return
     t0 = now()
-    if dist.get_backend() == "nccl":
+    if out.is_cuda:                                   # NCCL: the pair as one batch
         works = dist.batch_isend_irecv([dist.P2POp(f, t, peer) for f, t, peer, _ in ops])
     else:
         works = [f(t, peer) for f, t, peer, _ in ops]
@@ -244,8 +244,10 @@ def _record_job(rank: int, world_size: int, fn, algorithm: str, numel: int, make
                 max_values: int):
     import torch
     import torch.distributed as dist
+
+    from ..common.ranks import uses_nccl
     t = make(rank, world_size, numel)
-    if dist.get_backend() == "nccl":
+    if uses_nccl():
         t = t.to(torch.device("cuda", rank))
     dist.barrier()                                # start together: times line up across ranks
     if fn is None:

@@ -89,9 +89,10 @@ def _bench_job(rank: int, world_size: int, nbytes: int, impls: tuple, iters: int
     import torch
     import torch.distributed as dist
 
+    from ..common.ranks import uses_nccl
     from .allreduce import naive_all_reduce, ring_all_reduce
     fns = {"dist.all_reduce": dist.all_reduce, "ring": ring_all_reduce, "naive": naive_all_reduce}
-    cuda = dist.get_backend() == "nccl"
+    cuda = uses_nccl()
     t = torch.ones(nbytes // 4, device=torch.device("cuda", rank) if cuda else "cpu")
     times = {name: [] for name in impls}
     for i in range(iters + 1):

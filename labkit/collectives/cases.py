@@ -71,8 +71,9 @@ def compare_job(rank: int, world_size: int, fn: Callable, names: list[str], op: 
     that raises ends the loop with an error naming it, so peers waiting for this rank fail fast.
     """
     import torch
-    import torch.distributed as dist
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    from ..common.ranks import uses_nccl
+    device = torch.device("cuda", rank) if uses_nccl() else torch.device("cpu")
     watcher = Watch() if watch else None
     salt = int.from_bytes(os.urandom(8), "little") if watch else 0
     items = list(names) + ([TRAFFIC] if watch and world_size >= 3 else [])

@@ -12,9 +12,16 @@ from torch import nn
 __all__ = ["device", "checksum", "require_process_group"]
 
 
+def uses_nccl(group=None) -> bool:
+    """Whether ``group`` (default: the default group) runs CUDA tensors on NCCL: a plain
+    ``"nccl"`` group, or a device-mapped one such as ``"cpu:gloo,cuda:nccl"``."""
+    return dist.is_initialized() and "nccl" in str(dist.get_backend(group))
+
+
 def device() -> torch.device:
-    """This rank's device: ``cuda:<local rank>`` when the process group is NCCL, else CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    """This rank's device: ``cuda:<local rank>`` when the process group runs CUDA tensors on
+    NCCL (:func:`uses_nccl`), else CPU."""
+    if uses_nccl():
         return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
     return torch.device("cpu")
 

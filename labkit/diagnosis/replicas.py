@@ -87,9 +87,10 @@ def check_replicas(module, group=None, tolerance: float = 1e-9) -> Verdict:
     import torch
     import torch.distributed as dist
 
+    from ..common.ranks import uses_nccl
     fp = fingerprint(module)
     dev = (torch.device("cuda", torch.cuda.current_device())
-           if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+           if uses_nccl(group) else torch.device("cpu"))
     n = dist.get_world_size(group)
     count = torch.tensor([len(fp)], dtype=torch.int64, device=dev)
     counts = [torch.zeros_like(count) for _ in range(n)]

@@ -25,7 +25,7 @@ checker watches two places no Python route avoids, on gloo (CPU):
   whose gloo sockets sent fewer bytes than its tensor holds moved the data some other way
   (the store, a file, shared memory).
 
-Both claims are reproduced by ``tests/grading/test_watch.py``. What stays out of reach:
+Both claims are reproduced by ``tests/collectives/test_watch.py``. What stays out of reach:
 code running inside the rank can rewrite anything in that process, the checker included, and an
 answer that both sends enough bytes of padding and reads the real data from a side channel is
 not told apart by these counters (the bytes are counted, not their content). The

@@ -117,8 +117,9 @@ def error_for(result) -> JobFailed:
                      "return). If the work is only slow, pass a larger timeout=.")
     elif first.status == "signaled":
         hint = _HINTS.get(first.signal, "see the rank's stderr above.")
-        lines.append("Hint: " + (hint.get(result.backend, hint["gloo"]) if isinstance(hint, dict)
-                                 else hint))
+        if isinstance(hint, dict):                # "cpu:gloo,cuda:nccl" maps to NCCL's hint
+            hint = hint["nccl" if "nccl" in result.backend else "gloo"]
+        lines.append("Hint: " + hint)
     elif first.status == "exited":
         lines.append("Hint: os._exit()/sys.exit() in the function, or a crash; see its stderr.")
     elif first.status == "unpicklable":

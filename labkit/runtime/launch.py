@@ -41,6 +41,7 @@ __all__ = ["run", "warmup", "shutdown", "managed_pids", "check_platform", "MAX_W
 
 MAX_WORLD_SIZE = int(os.environ.get("LABKIT_MAX_WORLD_SIZE", "32"))
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICE_MAPPED = "cpu:gloo,cuda:nccl"        # what "nccl" (and "auto" with the GPUs) runs
 _IDLE_S = float(os.environ.get("LABKIT_IDLE_TIMEOUT", "600"))
 
 _lock = threading.RLock()
@@ -64,8 +65,10 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
         fn: any callable, including one defined in a notebook cell, a closure or a lambda.
         world_size: number of ranks (processes), 1 to ``MAX_WORLD_SIZE``.
         args, kwargs: passed through to ``fn`` after ``rank, world_size``.
-        backend: ``"gloo"`` (CPU), ``"nccl"`` (one GPU per rank) or ``"auto"``
-            (NCCL when there are at least ``world_size`` GPUs, else gloo).
+        backend: ``"gloo"`` (CPU), ``"nccl"`` (one GPU per rank) or ``"auto"`` (like
+            ``"nccl"`` when there are at least ``world_size`` GPUs, else gloo). "nccl" starts a
+            device-mapped group, ``"cpu:gloo,cuda:nccl"``: CUDA tensors use NCCL, CPU tensors
+            gloo (``JobResult.backend`` says which ran).
         timeout: process-group timeout in seconds: a collective waiting longer raises.
         deadline: wall-clock limit of the job in seconds (default ``timeout + 3``);
             ranks still running then are stack-dumped and killed (:class:`JobTimeout`).
@@ -234,16 +237,20 @@ def _gpu_count(zygote) -> int:
 
 
 def _resolve_backend(backend: str, world_size: int, zygote) -> str:
+    """What ``init_process_group`` gets. With one GPU per rank ("auto" or "nccl") a device-mapped
+    group, :data:`DEVICE_MAPPED`: CUDA tensors go through NCCL, CPU tensors through gloo, so a
+    lesson cell that all-reduces a CPU tensor or wraps a CPU module in DDP works on a GPU box
+    too, and one that puts its tensors on ``lk.ddp.device()`` runs on NCCL."""
     if backend == "gloo":
         return backend
     gpus = _gpu_count(zygote)
     if backend == "auto":
-        return "nccl" if gpus >= world_size else "gloo"
+        return DEVICE_MAPPED if gpus >= world_size else "gloo"
     if gpus < world_size:
         raise BackendUnavailable(
             f"backend='nccl' needs one GPU per rank: world_size={world_size} but this machine has "
             f"{gpus} GPU{'s' * (gpus != 1)}. Use backend='gloo' (CPU) or backend='auto'.")
-    return backend
+    return DEVICE_MAPPED
 
 
 # ----------------------------------------------------------- process cache

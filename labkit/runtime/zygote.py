@@ -190,7 +190,7 @@ def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(store.port))
-    if spec.backend == "nccl":
+    if "nccl" in spec.backend:                  # "cpu:gloo,cuda:nccl": CUDA tensors on NCCL
         torch.cuda.set_device(rank)
     dist.init_process_group(spec.backend, store=store, rank=rank,
                             world_size=world_size, timeout=timeout)

@@ -12,7 +12,8 @@ are tuned, or scaled by about the square root of the batch (Malladi et al. 2022)
 
 :func:`lr_runs` trains the student on real ranks for each configuration of ``configs`` (all in
 one job: a 1-rank run uses rank 0 while the others wait in a barrier) on the same samples:
-every run sees ``samples`` training samples in the same order, whatever its batch. Returns the
+every run reads one stream of ``samples`` training samples in the same order, whatever its batch
+(global step s takes the next ranks·batch of them, rank r its r-th slice). Returns the
 loss after each step (the mean over ranks of their shard's loss) and the held-out loss at the
 end.
 
@@ -27,6 +28,7 @@ import math
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
+from .task import IN_DIM
 from .timing import JOB_DEADLINE
 
 __all__ = ["DEFAULT_CONFIGS", "warmup_lr", "lr_runs", "lr_table", "plot_lr_runs", "diverged"]
@@ -52,7 +54,8 @@ def _lr_rank(rank, world_size, configs, samples, width, depth, momentum):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .task import batch, eval_loss, student
+    from .task import eval_loss, label, student
+    stream = torch.randn(samples, IN_DIM, generator=torch.Generator().manual_seed(2024))
     sizes = sorted({c[0] for c in configs.values()})
     groups = {n: dist.new_group(list(range(n))) for n in sizes if n > 1}
     out = {}
@@ -67,7 +70,9 @@ def _lr_rank(rank, world_size, configs, samples, width, depth, momentum):
         for step in range(samples // (n * b)):
             for g in opt.param_groups:
                 g["lr"] = warmup_lr(lr, step, warm)
-            x, y = batch(step, b, rank, n)          # global step = n*b consecutive samples
+            start = step * n * b + rank * b         # global step = the next n*b samples
+            x = stream[start:start + b]
+            y = label(x)
             opt.zero_grad()
             loss = F.mse_loss(ddp(x), y)
             loss.backward()

@@ -81,8 +81,8 @@ def _cost_rank(rank, world_size, sizes, collectives, iters):
         k = max(1, s // 4 // n) * n                        # float32 elements, divisible by n
         full, part = torch.ones(k), torch.ones(k // n)
         ops = {"all_reduce": lambda: dist.all_reduce(full),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
-               "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+               "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
+               "all_gather": lambda: dist.all_gather_single(full, part),
                "broadcast": lambda: dist.broadcast(full, src=0),
                "all_to_all": lambda: dist.all_to_all_single(full.clone(), full)}
         for c in collectives:

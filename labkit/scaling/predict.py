@@ -6,7 +6,9 @@ scaling, the usual way DDP jobs grow)::
     compute  = 6 · params · tokens_per_gpu / (peak_flops · mfu)     (Kaplan et al. 2020: ~6
                                                                      FLOPs per parameter and token)
     backward = 2/3 of compute
-    allreduce = ring(N, S = grad_bytes_per_param · params)          (labkit.collectives.bandwidth)
+    allreduce = buckets · 2(N-1)·α + 2(N-1)/N · S / B               (a ring per DDP bucket:
+                S = grad_bytes_per_param · params, buckets = ⌈S / bucket⌉, each paying the
+                ring's 2(N-1) latency steps; labkit.collectives.bandwidth)
     exposed  = allreduce - overlap · backward, at least 0           (overlap in 0..1)
     step     = compute + exposed;   efficiency = compute / step
 
@@ -24,6 +26,7 @@ Example::
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 from ..collectives.bandwidth import cluster_link, predict
@@ -37,32 +40,39 @@ GPU = {"name": "H100 SXM", "peak_flops": 989e12, "mfu": 0.4,
 
 def cluster_prediction(params: float, tokens_per_gpu: int, gpus: Iterable[int] = (1, 8, 64, 256),
                        grad_bytes_per_param: int = 4, overlap: float = 1.0,
-                       peak_flops: float = GPU["peak_flops"], mfu: float = GPU["mfu"]) -> list[dict]:
+                       peak_flops: float = GPU["peak_flops"], mfu: float = GPU["mfu"],
+                       bucket_mib: float = 25.0) -> list[dict]:
     """MODEL PREDICTION of step time and scaling efficiency per GPU count (see module docstring).
 
     ``overlap``: 1.0 = the all-reduce hides behind backward as far as backward lasts (the
-    best case DDP aims for), 0.0 = no overlap at all.
+    best case DDP aims for), 0.0 = no overlap at all. ``bucket_mib``: DDP's bucket size
+    (25 MiB by default); every bucket is its own ring all-reduce and pays the ring's latency.
     """
     compute = 6 * params * tokens_per_gpu / (peak_flops * mfu)
+    grad_bytes = grad_bytes_per_param * params
+    buckets = math.ceil(grad_bytes / (bucket_mib * 2 ** 20))
     out = []
     for n in gpus:
         if n == 1:
             ar, link = 0.0, "none"
         else:
             spec = cluster_link(n)
-            ar = predict(spec["alpha"], 1 / spec["bandwidth"], grad_bytes_per_param * params, n)
+            ar = (buckets * predict(spec["alpha"], 0.0, 0, n)       # latency, once per bucket
+                  + predict(0.0, 1 / spec["bandwidth"], grad_bytes, n))
             link = spec["name"]
         exposed = max(0.0, ar - overlap * compute * 2 / 3)
         step = compute + exposed
         out.append(dict(gpus=n, compute_s=compute, allreduce_s=ar, exposed_s=exposed,
                         step_s=step, efficiency=compute / step, speedup=n * compute / step,
-                        link=link))
+                        link=link, buckets=buckets))
     return out
 
 
 def cluster_table(rows: list[dict], title: str = "") -> str:
-    lines = [f"MODEL PREDICTION (alpha-beta model, published link speeds, {GPU['source']}); "
-             f"not measured" + (f": {title}" if title else ""),
+    buckets = max((r.get("buckets", 0) for r in rows), default=0)
+    lines = [f"MODEL PREDICTION (alpha-beta model, published link speeds, a flat ring per DDP "
+             f"bucket, {buckets} buckets per step, {GPU['source']}); not measured"
+             + (f": {title}" if title else ""),
              f"{'GPUs':>5} {'compute ms':>11} {'all-reduce ms':>14} {'exposed ms':>11} "
              f"{'step ms':>8} {'speedup':>8} {'efficiency':>11}  link"]
     for r in rows:

@@ -9,11 +9,22 @@ The formulas of the ZeRO paper (Rajbhandari et al., SC 2020), for Ψ parameters 
     ZeRO-3 / FSDP  P·Ψ/N       G·Ψ/N              K·Ψ/N            3Ψ  all-gather x2 + reduce-scatter
 
 with bytes per element P (parameters), G (gradients), K (optimizer state). In fp32 with Adam
-P = G = 4 and K = 8 (``exp_avg``, ``exp_avg_sq``): 16Ψ. In mixed precision (bf16 parameters and
-gradients, an fp32 master copy and Adam's two moments) P = G = 2 and K = 12: also 16Ψ — the
-paper's number. "Sent" is in the paper's units of elements times the communicated dtype's size;
-a ring puts ``(N-1)/N`` of it on each rank's link. ``ZeroRedundancyOptimizer`` (torch) runs
-under DDP, so its gradients are all-reduced (2Ψ) and the updated parameters broadcast (Ψ): 3Ψ.
+P = G = 4 and K = 8 (``exp_avg``, ``exp_avg_sq``): 16Ψ. **The ZeRO paper's mixed precision**
+(``"mixed"``: fp16 parameters and gradients, an fp32 master copy and Adam's two moments) has
+P = G = 2 and K = 12: also 16Ψ, and it communicates 2-byte elements. PyTorch's recipes are not
+that scheme:
+
+* DDP with ``torch.autocast`` keeps fp32 parameters, fp32 gradients and fp32 Adam state (the
+  autocast casts are per op and temporary) and all-reduces fp32: its model state is the
+  ``"fp32"`` row, 16Ψ plus 4Ψ of buckets;
+* FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``
+  (``"bf16 policy"``) keeps fp32 shards (16Ψ/N), all-gathers bf16 parameters (2 bytes) and
+  reduce-scatters fp32 gradients (4 bytes).
+
+"Sent" is in the paper's units: elements times the communicated dtype's size, per collective
+(gathers at ``gather`` bytes, reductions at ``reduce`` bytes); a ring puts ``(N-1)/N`` of it on
+each rank's link. ``ZeroRedundancyOptimizer`` (torch) runs under DDP, so its gradients are
+all-reduced (2Ψ) and the updated parameters broadcast (Ψ): 3Ψ.
 
 Activations, temporary buffers and the allocator's slack are **not** in these numbers: they are
 predictions of the model-state memory only, and the notebook labels them so.
@@ -28,9 +39,14 @@ __all__ = ["SETUPS", "PRECISIONS", "MODELS", "gpt2_params", "memory_per_rank",
            "traffic_per_step", "plan", "plan_table", "compare"]
 
 SETUPS = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeroRedundancyOptimizer")
-# bytes per parameter element: params, grads, optimizer state, communicated dtype
-PRECISIONS = {"fp32": {"params": 4, "grads": 4, "optimizer": 8, "comm": 4},
-              "mixed": {"params": 2, "grads": 2, "optimizer": 12, "comm": 2}}
+# bytes per parameter element: params, grads, optimizer state, and what the gathers of
+# parameters and the reductions of gradients send per element
+PRECISIONS = {"fp32": {"params": 4, "grads": 4, "optimizer": 8, "gather": 4, "reduce": 4},
+              "mixed": {"params": 2, "grads": 2, "optimizer": 12, "gather": 2, "reduce": 2},
+              "bf16 policy": {"params": 4, "grads": 4, "optimizer": 8, "gather": 2, "reduce": 4}}
+# per setup: (elements gathered, elements reduced) per step, in units of Ψ
+_SENT = {"DDP": (0, 2), "ZeRO-1": (1, 1), "ZeRO-2": (1, 1), "ZeRO-3": (2, 1),
+         "ZeroRedundancyOptimizer": (1, 2)}
 
 
 def gpt2_params(n_layer: int, n_embd: int, vocab: int = 50257, ctx: int = 1024) -> int:
@@ -78,17 +94,18 @@ def memory_per_rank(psi: int, ranks: int, setup: str, precision: str = "fp32",
 def traffic_per_step(psi: int, ranks: int, setup: str, precision: str = "fp32") -> dict:
     """Bytes one rank communicates per training step: ``volume`` (ZeRO's units) and ``ring_sent``."""
     b = _check(setup, ranks, precision)
-    factor = {"DDP": 2, "ZeRO-1": 2, "ZeRO-2": 2, "ZeRO-3": 3, "ZeroRedundancyOptimizer": 3}[setup]
-    volume = factor * psi * b["comm"]
+    gathered, reduced = _SENT[setup]
+    volume = psi * (gathered * b["gather"] + reduced * b["reduce"])
     return {"volume": float(volume), "ring_sent": volume * (ranks - 1) / ranks,
-            "multiple_of_psi": factor}
+            "multiple_of_psi": gathered + reduced}
 
 
 def plan(psi: int, ranks: int, gpu_gib: float = 80.0, precision: str = "mixed") -> list[dict]:
-    """Every ZeRO setup for one model: GiB per rank, GB sent per step, and whether it fits.
+    """Every ZeRO setup for one model: GiB per rank, GB per step in ZeRO's units, and whether it
+    fits.
 
-    "Fits" compares model state only with ``gpu_gib``: activations come on top, so a setup
-    that fits here can still run out of memory (a prediction, not a measurement).
+    "Fits" compares model state (with DDP's buckets) with ``gpu_gib``: activations come on top,
+    so a setup that fits here can still run out of memory (a prediction, not a measurement).
     """
     rows = []
     for setup in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"):
@@ -105,9 +122,11 @@ def plan_table(models: dict[str, int] | None = None, ranks: tuple[int, ...] = (8
     """A text table of :func:`plan` for several models and rank counts (model state only)."""
     models = MODELS if models is None else models
     setups = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
-    lines = [f"PREDICTION from the ZeRO formulas ({precision} precision + Adam, model state only, "
-             f"{gpu_gib:g} GiB GPUs). Cell: GiB per rank / GB sent per rank per step; "
-             f"* = does not fit",
+    label = {"mixed": "the ZeRO paper's mixed precision (fp16 + fp32 master)",
+             "bf16 policy": "FSDP2's bf16 parameters, fp32 reduction"}.get(precision, precision)
+    lines = [f"PREDICTION from the ZeRO formulas ({label} + Adam; model state and DDP's "
+             f"buckets, no activations; {gpu_gib:g} GiB GPUs). Cell: GiB per rank / GB per rank per step in ZeRO's "
+             f"units (elements x bytes; a ring link carries (N-1)/N of it); * = does not fit",
              f"{'model':<12} {'Ψ':>14} {'ranks':>5} " + "".join(f"{s:>21}" for s in setups)]
     for name, psi in models.items():
         for n in ranks:

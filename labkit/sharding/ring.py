@@ -43,7 +43,7 @@ def _check(flat: torch.Tensor, who: str) -> int:
 
 def _swap(send: torch.Tensor, right: int, recv: torch.Tensor, left: int) -> None:
     """Send to the right neighbour and receive from the left one at the same time."""
-    if dist.get_backend() == "nccl":         # two lone isends can wait for each other on NCCL
+    if send.is_cuda:        # NCCL: two lone isends can wait for each other
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right),
                                         dist.P2POp(dist.irecv, recv, left)])
     else:
@@ -56,7 +56,7 @@ def ring_reduce_scatter(flat: torch.Tensor) -> torch.Tensor:
     """Sum ``flat`` over all ranks and return this rank's chunk of the sum (a new tensor).
 
     ``flat`` is left unchanged. Rank r gets ``sum over ranks of flat.chunk(N)[r]``, like
-    ``dist.reduce_scatter_tensor`` with ``ReduceOp.SUM``.
+    ``dist.reduce_scatter_single`` with ``ReduceOp.SUM``.
     """
     n = _check(flat, "ring_reduce_scatter")
     if flat.numel() % n:

@@ -11,7 +11,7 @@ it keeps, as :mod:`labkit.common.timeline` spans (``lk.plots.timeline`` draws th
   ``gloo:all_reduce``), each matched, in issue order, to the ``c10d`` call that asked for it:
   FSDP2's per-layer all-gathers and reduce-scatters, DDP's bucket all-reduces.
 
-On gloo (torch 2.13) a ``reduce_scatter_tensor`` runs as ``gloo:all_reduce`` inside the
+On gloo (torch 2.13) a reduce-scatter (``reduce_scatter_single``) runs as ``gloo:all_reduce`` inside the
 ``c10d::_reduce_scatter_base_`` call: gloo has no reduce-scatter of its own for this call, so
 the wire carries a whole all-reduce (``tests/claims/test_claims_sharding.py``). The span keeps the
 name of what was asked for, ``reduce_scatter``.

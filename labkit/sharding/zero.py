@@ -32,8 +32,8 @@ without a gradient at ``step()`` is an error (as in DDP by default), never a sil
 
 The update is Adam (default) or SGD with momentum, computed as ``torch.optim`` does
 (:mod:`labkit.sharding.optim`). Collectives are the ring's two halves
-(:mod:`labkit.sharding.ring`, ``collectives="ring"``) or torch's ``reduce_scatter_tensor`` /
-``all_gather_into_tensor`` (``"dist"``). The class follows the lesson's setup protocol
+(:mod:`labkit.sharding.ring`, ``collectives="ring"``) or torch's ``reduce_scatter_single`` /
+``all_gather_single`` (``"dist"``). The class follows the lesson's setup protocol
 (:mod:`labkit.sharding.harness`): ``module``, ``step()``, ``zero_grad()``, ``memory()``,
 ``full_parameters()``.
 """
@@ -98,7 +98,7 @@ def reduce_scatter(flat: torch.Tensor, collectives: str = "ring") -> torch.Tenso
     if collectives == "ring":
         return ring_reduce_scatter(flat)
     out = flat.new_empty(flat.numel() // dist.get_world_size())
-    dist.reduce_scatter_tensor(out, flat)
+    dist.reduce_scatter_single(out, flat)
     return out
 
 
@@ -109,7 +109,7 @@ def all_gather(shard: torch.Tensor, out: torch.Tensor | None = None,
         return ring_all_gather(shard, out)
     if out is None:
         out = shard.new_empty(shard.numel() * dist.get_world_size())
-    dist.all_gather_into_tensor(out, shard.clone())
+    dist.all_gather_single(out, shard.clone())
     return out
 
 

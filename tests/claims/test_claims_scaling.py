@@ -40,9 +40,9 @@ def _bf16_on_gloo(rank, world_size):
 def test_bf16_hook_is_refused_by_a_cpu_build_whatever_the_backend():
     """07 "8 · Cutting the bytes": “On this CPU-only build of torch 2.13 `register_comm_hook`
     refuses it with a `TypeError` as soon as it is given: the check
-    (`torch/nn/parallel/distributed.py`) asks whether torch was *built* with CUDA and NCCL ≥ 2.10
-    (or XPU and XCCL), not which backend the group uses, so a CUDA build accepts it on gloo
-    too.”"""
+    (`torch/nn/parallel/distributed.py`) asks whether torch was *built* with CUDA (or ROCm) and
+    NCCL ≥ 2.10, or whether an XPU device is present with XCCL, never which backend the group
+    uses, so a CUDA build accepts it on gloo too.”"""
     import torch
 
     got = lk.run(_bf16_on_gloo, 2, echo=False).values

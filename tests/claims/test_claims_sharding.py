@@ -78,8 +78,9 @@ def _counted_kinds(rank, world_size):
 
 
 def test_the_counter_sees_every_kind_of_collective_whoever_issues_it():
-    """06 "§3": “a PyTorch dispatch mode that sees every `torch.distributed` operation a rank
-    issues — the ring's `isend`s here, DDP's, FSDP's and everyone else's collectives later”."""
+    """06 "§3": “a PyTorch dispatch mode that sees every `torch.distributed` operation a rank's
+    threads issue through the dispatcher, with its payload”: the ring's sends, DDP's,
+    `ZeroRedundancyOptimizer`'s and FSDP2's collectives."""
     seen = _run(_counted_kinds)[0]
     assert seen == {"DDP backward": ["all_reduce"], "ZeroRedundancyOptimizer.step": ["broadcast"],
                     "ring_all_gather": ["send", "recv"],
@@ -148,15 +149,16 @@ def test_zero_redundancy_optimizer_all_reduces_then_broadcasts_whole_parameters(
 
 # ------------------------------------------------------------------ §6 the trace
 def test_gloo_runs_reduce_scatter_as_an_all_reduce_and_fsdp2_prefetches():
-    """06 "§6": “On gloo (torch 2.13) every `reduce_scatter_tensor` call runs as a
-    `gloo:all_reduce` of the whole tensor”. Also 06 "§6": “FSDP2 issues the next layer's
-    all-gather *before* the current layer's reduce-scatter”."""
+    """06 "§6": “On gloo (torch 2.13) every reduce-scatter (`reduce_scatter_single`, which FSDP2
+    calls; `reduce_scatter_tensor` before torch 2.13) runs as a **`gloo:all_reduce`** of the whole
+    tensor”. Also 06 "§6": “FSDP2 issues the next layer's all-gather *before* the current layer's
+    reduce-scatter (prefetching)”."""
     def job(rank, world_size):
         import torch.distributed as dist
         from torch.profiler import profile
         out = torch.empty(8)
         with profile() as prof:
-            dist.reduce_scatter_tensor(out, torch.ones(8 * world_size))
+            dist.reduce_scatter_single(out, torch.ones(8 * world_size))
         names = [e.name for e in prof.events()]
         return names, lk.sharding.traced_step(rank, world_size, "FSDP2")
     names, spans = _run(job)[0]
@@ -270,14 +272,27 @@ def test_a_sharded_dcp_checkpoint_from_2_ranks_loads_on_4(tmp_path):
 @pytest.mark.gpu
 @needs_gpus(1)
 def test_fsdp2_without_a_mesh_moves_to_cuda_on_a_gpu_machine():
-    """06 "§5": “on a machine that has a GPU, FSDP2 with only a default gloo process group moves to
-    CUDA (pytorch/pytorch#132471)”."""
+    """06 "§5": “with a CUDA build of torch on a machine with a visible GPU, `fully_shard` without
+    a mesh builds a CUDA mesh and moves the module there while the default group is gloo”."""
     def job(rank, world_size):
         from torch.distributed.fsdp import fully_shard
         model = lk.sharding.model.make_mlp((4, 6, 2))
         fully_shard(model)                            # no mesh: torch picks its default
         return str(next(model.parameters()).device)
     assert _run(job, 1, backend="gloo")[0].startswith("cuda")
+
+
+def test_fsdp2_without_a_mesh_stays_on_the_cpu_with_a_cpu_build():
+    """06 "§5": “this lab's CPU-only build always makes a CPU mesh”."""
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        pytest.skip("a CUDA/ROCm build: the test above covers it")
+
+    def job(rank, world_size):
+        from torch.distributed.fsdp import fully_shard
+        model = lk.sharding.model.make_mlp((4, 6, 2))
+        fully_shard(model)
+        return str(next(model.parameters()).device)
+    assert _run(job, 1, backend="gloo") == ["cpu"]
 
 
 # ------------------------------------------------------------------ the quotes

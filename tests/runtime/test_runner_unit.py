@@ -50,6 +50,37 @@ def test_unknown_backend_names_the_choices():
     assert _no_children()
 
 
+@pytest.mark.parametrize("backend, world_size, gpus, want", [
+    ("auto", 2, 0, "gloo"), ("auto", 4, 2, "gloo"),            # fewer GPUs than ranks: CPU
+    ("auto", 2, 2, "cpu:gloo,cuda:nccl"), ("auto", 4, 8, "cpu:gloo,cuda:nccl"),
+    ("nccl", 2, 2, "cpu:gloo,cuda:nccl"),                      # CPU tensors keep working
+    ("gloo", 2, 8, "gloo"),
+])
+def test_the_backend_policy_keeps_gloo_for_cpu_tensors_on_a_gpu_box(monkeypatch, backend,
+                                                                    world_size, gpus, want):
+    """Issue: plain "nccl" made every lesson cell that all-reduces a CPU tensor fail on a GPU
+    box ("No backend type associated with device type cpu"). GPU counts faked."""
+    from labkit.runtime import launch
+
+    monkeypatch.setattr(launch, "_gpu_count", lambda zygote: gpus)
+    assert launch._resolve_backend(backend, world_size, None) == want
+
+
+def test_device_follows_the_group_not_the_machine(monkeypatch):
+    """lk.ddp.device() is cuda:<rank> on a plain or a device-mapped NCCL group, else CPU."""
+    import torch
+    import torch.distributed as dist
+
+    from labkit.common import ranks
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for backend, want in (("cpu:gloo,cuda:nccl", "cuda:1"), ("nccl", "cuda:1"), ("gloo", "cpu")):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert str(ranks.device()) == want and ranks.uses_nccl() == (want != "cpu")
+
+
 def test_nccl_without_gpus_is_refused_before_anything_starts():
     import torch
 

@@ -100,10 +100,11 @@ def test_cluster_prediction_is_monotone_in_what_it_models():
     rows = cluster_prediction(124e6, 8192, gpus=(1, 8, 64))
     assert rows[0]["efficiency"] == 1.0 and rows[0]["allreduce_s"] == 0.0
     assert rows[2]["allreduce_s"] > rows[1]["allreduce_s"] > 0          # more GPUs, more steps
-    assert rows[2]["efficiency"] == rows[1]["efficiency"] == 1.0        # still hidden: 8 NICs
-    short = cluster_prediction(124e6, 1024, gpus=(8, 64))
-    assert short[1]["efficiency"] < short[0]["efficiency"] < 1.0        # less work: less hidden
-    small = short[0]
+    assert rows[1]["efficiency"] == 1.0 > rows[2]["efficiency"]         # the ring's latency
+    assert rows[1]["buckets"] == 19                                     # 496 MB in 25 MiB
+    one = cluster_prediction(124e6, 8192, gpus=(64,), bucket_mib=1024)[0]
+    assert one["efficiency"] == 1.0           # one bucket: 8 NICs per node move it in time
+    small = cluster_prediction(124e6, 1024, gpus=(8,))[0]
     assert small["efficiency"] < rows[1]["efficiency"]         # less work per GPU: less hidden
     none = cluster_prediction(124e6, 8192, gpus=(8,), overlap=0.0)[0]
     assert none["exposed_s"] == pytest.approx(none["allreduce_s"])

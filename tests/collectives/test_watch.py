@@ -22,21 +22,25 @@ from labkit.grading import watch
 
 
 def _own_gloo_group(t):
-    """A ProcessGroupGloo of the answer's own, on a FileStore: no torch.distributed API at all.
+    """A ProcessGroupGloo of the answer's own, on a FileStore: no torch.distributed collective.
 
     Every call needs a store file no earlier call used (a file a killed job left behind holds
-    stale keys, and the new group then waits for ranks that are gone): named after the ranks'
-    launcher (pid and start time: unique on this machine), their pool (its port) and a count
-    of calls each rank keeps across jobs.
+    stale keys, and the new group then waits for ranks that are gone; a name built from the
+    pool's port collided when the OS gave a later pool the same port): rank 0 draws a fresh name
+    and hands it to the others through the job's TCPStore (a key-value server, not a
+    collective: the flight recorder and the TCP counters leave it out).
     """
-    import psutil
+    import uuid
+
     import torch._C._distributed_c10d as c10d
     rank, n = dist.get_rank(), dist.get_world_size()
-    calls = int(os.environ.get("LABKIT_TEST_FILESTORES", "0"))
+    store = dist.distributed_c10d._get_default_store()
+    calls = int(os.environ.get("LABKIT_TEST_FILESTORES", "0"))      # same count on every rank
     os.environ["LABKIT_TEST_FILESTORES"] = str(calls + 1)
-    launcher = psutil.Process(os.getppid())
-    name = (f"labkit-fs-{launcher.pid}-{launcher.create_time():.2f}-"
-            f"{os.environ['MASTER_PORT']}-{calls}")
+    key = f"labkit-test-filestore-{calls}"
+    if rank == 0:
+        store.set(key, f"labkit-fs-{uuid.uuid4().hex}")
+    name = store.get(key).decode()
     pg = c10d.ProcessGroupGloo(dist.FileStore(os.path.join(tempfile.gettempdir(), name), n),
                                rank, n, datetime.timedelta(seconds=20))
     pg.allreduce([t]).wait()
