@@ -142,15 +142,16 @@ def _batchnorm_under_ddp(rank, world_size):
 
 
 def test_ddp_broadcasts_rank0_batchnorm_buffers_at_every_forward():
-    """02 "Common pitfalls": “With the default `broadcast_buffers=True`, DDP copies rank 0's
-    buffers to every rank at the start of each forward (torch 2.13 skips the copy when the forward
-    before it ran under `no_sync()` or `torch.no_grad()`): each rank normalises with its own
-    batch's statistics, and the running statistics that survive are rank 0's, computed from rank
-    0's data alone”. And 04 "BatchNorm statistics under DDP" says the same: “With the default
-    `broadcast_buffers=True`, DDP copies rank 0's buffers to every rank at the start of each
+    """02 "Common pitfalls": “DDP copies rank 0's buffers to every rank at the start of each
     forward (torch 2.13 skips the copy when the forward before it ran under `no_sync()` or
     `torch.no_grad()`): each rank normalises with its own batch's statistics, and the running
-    statistics that survive are rank 0's, computed from rank 0's data alone”."""
+    statistics that survive are rank 0's, computed from rank 0's data alone”, “By default (in
+    torch 2.13 `forward_sync_buffers`, which replaces the deprecated `broadcast_buffers`; both
+    default to on)”. And 04 "BatchNorm statistics under DDP" says the same: “DDP copies rank 0's
+    buffers to every rank at the start of each forward (torch 2.13 skips the copy when the
+    forward before it ran under `no_sync()` or `torch.no_grad()`): each rank normalises with its
+    own batch's statistics, and the running statistics that survive are rank 0's, computed from
+    rank 0's data alone”."""
     import torch
 
     sys.path.insert(0, str(_claims.ROOT / "tests" / "ddp"))
