@@ -22,7 +22,7 @@ parameters), ``summary.json`` and prints a sample of generated text.
 
 Runbook (from the repository root; ``python -m torch.distributed.run`` is torchrun)::
 
-    # one process, ~3 minutes on one core
+    # one process: 269 s (about 4.5 min) on the reference machine's busy core (README)
     python -m labkit.capstone.train_gpt --out-dir runs/gpt1
     # 2 ranks, DDP; rank 1 crashes at step 120 (first attempt only), torchrun restarts it
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1 \\
