@@ -28,7 +28,8 @@ def device() -> torch.device:
 
 def checksum(module: nn.Module) -> float:
     """Sum of every parameter, in float64. Different sums prove replicas differ; equal sums do not
-    prove they agree (errors can cancel): :func:`labkit.diagnosis.fingerprint` compares per tensor."""
+    prove they agree (errors can cancel): :func:`labkit.diagnosis.fingerprint` compares each
+    tensor."""
     with torch.no_grad():
         return float(sum(p.detach().double().sum() for p in module.parameters()))
 

@@ -28,7 +28,6 @@ import math
 
 from ..common.progress import progress as progress_bar
 from ..runtime import run
-from .task import IN_DIM
 from .timing import JOB_DEADLINE
 
 __all__ = ["DEFAULT_CONFIGS", "warmup_lr", "lr_runs", "lr_table", "plot_lr_runs", "diverged"]
@@ -54,7 +53,7 @@ def _lr_rank(rank, world_size, configs, samples, width, depth, momentum):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .task import eval_loss, label, student
+    from .task import IN_DIM, eval_loss, label, student
     stream = torch.randn(samples, IN_DIM, generator=torch.Generator().manual_seed(2024))
     sizes = sorted({c[0] for c in configs.values()})
     groups = {n: dist.new_group(list(range(n))) for n in sizes if n > 1}

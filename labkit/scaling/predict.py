@@ -15,8 +15,8 @@ scaling, the usual way DDP jobs grow)::
 Link speeds are :func:`labkit.collectives.bandwidth.cluster_link` (published: NVLink inside a
 node up to 8 GPUs; beyond, the ring's channels cross nodes through all 8 InfiniBand NICs of a
 node at once, so a GPU's share moves at min(NVLink, 8 NICs) = 400 GB/s); the GPU's peak and the
-MFU are assumptions (stated in every table). It ignores everything else that makes real jobs slower — stragglers,
-the data loader, the optimizer step, a last bucket that cannot overlap — which is the point of
+MFU are assumptions (stated in every table). It ignores everything else that makes real jobs
+slower — stragglers, the data loader, the optimizer step, a last bucket that cannot overlap — which is the point of
 notebook 07's interview question.
 
 Example::

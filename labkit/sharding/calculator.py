@@ -125,8 +125,9 @@ def plan_table(models: dict[str, int] | None = None, ranks: tuple[int, ...] = (8
     label = {"mixed": "the ZeRO paper's mixed precision (fp16 + fp32 master)",
              "bf16 policy": "FSDP2's bf16 parameters, fp32 reduction"}.get(precision, precision)
     lines = [f"PREDICTION from the ZeRO formulas ({label} + Adam; model state and DDP's "
-             f"buckets, no activations; {gpu_gib:g} GiB GPUs). Cell: GiB per rank / GB per rank per step in ZeRO's "
-             f"units (elements x bytes; a ring link carries (N-1)/N of it); * = does not fit",
+             f"buckets, no activations; {gpu_gib:g} GiB GPUs). Cell: GiB per rank / GB per "
+             f"rank per step in ZeRO's units (elements x bytes; a ring link carries (N-1)/N of "
+             f"it); * = does not fit",
              f"{'model':<12} {'Ψ':>14} {'ranks':>5} " + "".join(f"{s:>21}" for s in setups)]
     for name, psi in models.items():
         for n in ranks:
