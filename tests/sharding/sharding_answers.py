@@ -358,6 +358,10 @@ class ClosureOptimizer:
     """Shortcut (hidden state): a whole ordinary optimizer in a closure, all-reduced gradients,
     and a stepped zero "decoy" slice where an attribute walk looks for the shard."""
 
+    @staticmethod
+    def _hidden(trainable, optimizer_class, defaults):
+        return optimizer_class(trainable, **defaults)
+
     def __init__(self, params, optimizer_class, **defaults):
         params = list(params)
         n = dist.get_world_size()
@@ -365,7 +369,7 @@ class ClosureOptimizer:
             for p in params:
                 dist.broadcast(p, src=0)
         trainable = [p for p in params if p.requires_grad]
-        whole = optimizer_class(trainable, **defaults)
+        whole = self._hidden(trainable, optimizer_class, defaults)
 
         def step():
             for p in trainable:
@@ -386,26 +390,11 @@ class ClosureOptimizer:
 class LibraryInClosureOptimizer(ClosureOptimizer):
     """Shortcut (library object): ZeroRedundancyOptimizer doing the work, kept in a closure."""
 
-    def __init__(self, params, optimizer_class, **defaults):
+    @staticmethod
+    def _hidden(trainable, optimizer_class, defaults):
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        params = list(params)
-        n = dist.get_world_size()
-        with torch.no_grad():
-            for p in params:
-                dist.broadcast(p, src=0)
-        trainable = [p for p in params if p.requires_grad]
-        zero = ZeroRedundancyOptimizer(trainable, **defaults, optimizer_class=getattr(
+        return ZeroRedundancyOptimizer(trainable, **defaults, optimizer_class=getattr(
             torch.optim, optimizer_class.__name__))
-
-        def step():
-            for p in trainable:
-                dist.all_reduce(p.grad)
-                p.grad /= n
-            zero.step()
-        self._step = step
-        k = -(-sum(p.numel() for p in trainable) // n)
-        self.slice = nn.Parameter(torch.zeros(k))
-        self.optimizer = optimizer_class([self.slice], **defaults)
 
 
 class CopiedOracleOptimizer:
