@@ -62,16 +62,22 @@ class RankResult:
         return f"rank {self.rank} returned {self.value!r:.60}"
 
 
-_ECHOES = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe",
-           "Timed out waiting", "timed out", "Socket Timeout")
+_TIMEOUTS = ("Timed out waiting", "timed out", "Socket Timeout")
+_ECHOES = ("Connection closed", "Connection reset by peer", "Read error", "Broken pipe")
 
 
 def _cause_order(r: RankResult) -> int:
+    """Crash, own error, a collective's timeout, a peer's vanishing, hung: in that order. A
+    rank that timed out waiting explains more than a peer that then saw its connection close
+    (that peer can report first: the timed-out rank is still unwinding)."""
     if r.status in ("exited", "signaled"):
         return 0
     if r.status in ("raised", "unpicklable"):
-        return 2 if any(e in (r.error or "") for e in _ECHOES) else 1
-    return 3
+        error = r.error or ""
+        if any(e in error for e in _ECHOES):
+            return 3
+        return 2 if any(e in error for e in _TIMEOUTS) else 1
+    return 4
 
 
 def _last_line(text: str) -> str:
@@ -145,8 +151,8 @@ class JobResult:
         """The failure most likely to be the cause; the others are usually its echo.
 
         A crashed rank comes first (its peers then see the connection drop), then a
-        rank whose own code raised, then ranks that only saw a peer vanish or a
-        collective time out, then hung ranks; ties go to the earliest.
+        rank whose own code raised, then ranks whose collective timed out, then ranks
+        that only saw a peer vanish, then hung ranks; ties go to the earliest.
         """
         failed = [r for r in self.ranks if not r.ok]
         if not failed:
