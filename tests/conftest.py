@@ -4,7 +4,8 @@
 run in: a process the test started that is still alive a few seconds after it ended (a rank,
 a kernel, a torchrun agent or worker, even one re-parented to init) fails the test and is
 killed. The runner's own warm pool and zygotes are kept on purpose
-(:func:`labkit.runtime.managed_pids`); every other process a job starts must be gone.
+(:func:`labkit.runtime.procs.kept`); every other process a job starts must be gone. What
+"ours" means is asked of one place, :func:`labkit.runtime.procs.ours`.
 """
 from __future__ import annotations
 
@@ -74,27 +75,11 @@ def has_gpus(n: int) -> bool:
         return False
 
 
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _is_zombie(p: psutil.Process) -> bool:
     try:
         return p.status() == psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def _ours() -> dict[int, psutil.Process]:
-    """Live descendants of this process, and workers of torchrun jobs it launched (orphans too)."""
-    procs = {p.pid: p for p in psutil.Process().children(recursive=True)}
-    tr = sys.modules.get("labkit.runtime.torchrun")
-    if tr is not None:
-        procs.update((p.pid, p) for p in tr.live_processes())
-    return {pid: p for pid, p in procs.items() if _alive(p)}
 
 
 def _started_here(p: psutil.Process, before: set[int]) -> bool:
@@ -118,16 +103,16 @@ def nothing_left_behind(grace: float = 5.0):
     """Fail (and kill what is left) if the block leaves a process of its own running, or a child
     of this process unreaped (a zombie: started, ended, never waited for).
 
-    The runner's warm pool and zygotes are kept on purpose: :func:`labkit.runtime.managed_pids`.
+    The runner's warm pool and zygotes are kept on purpose: :func:`labkit.runtime.procs.kept`.
     """
-    from labkit.runtime import managed_pids
+    from labkit.runtime import procs
 
-    before = set(_ours())
+    before = set(procs.ours())
     yield
 
     def leaked() -> list[psutil.Process]:
-        keep = before | managed_pids()
-        return [p for pid, p in _ours().items() if pid not in keep and _started_here(p, before)
+        return [p for pid, p in procs.ours(kept_too=False).items()
+                if pid not in before and _started_here(p, before)
                 ] + [p for p in psutil.Process().children() if p.pid not in before
                      and _is_zombie(p)]                             # unreaped children too
     end = time.monotonic() + grace

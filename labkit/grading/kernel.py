@@ -4,8 +4,9 @@ Used by :mod:`labkit.grading.grader` (and, through it, the pytest plugin); nothi
 scores anything. One submission:
 
 1. A fresh ``python3`` kernel (nbclient) in an empty working directory, with
-   ``LABKIT_QUIZ_DIR`` set to the grader's banks and a random token in its
-   environment that every descendant inherits (the zygote and ranks included).
+   ``LABKIT_QUIZ_DIR`` set to the grader's banks, in a process tree of its own
+   (:class:`labkit.runtime.procs.Tree`: a mark in its environment that every descendant
+   inherits, the zygote and ranks included).
 2. Each code cell runs with a limit ``min(cell_timeout, time left for the
    notebook)``. A cell that raises is recorded and the run goes on. At the limit
    the kernel is interrupted (KeyboardInterrupt; the labkit runner then kills
@@ -19,8 +20,8 @@ scores anything. One submission:
    killed half-way) loses only itself: answers as JSON (plain data: numbers,
    text, lists of them); exercise functions and the inputs of computed questions
    as cloudpickles.
-5. The kernel is shut down, then every process still carrying the token is
-   killed: nothing outlives the submission.
+5. The kernel is shut down, then its tree is stopped: every process still carrying its
+   mark is killed, and nothing outlives the submission.
 
 Nothing here or in the grader unpickles what a submission produced: a pickle can
 run code when it is loaded, so pickles are only ever loaded by the checker
@@ -35,7 +36,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty
@@ -45,11 +45,9 @@ from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 from nbclient.util import ensure_async
 
-from ..runtime.procs import kill_marked
+from ..runtime.procs import Tree
 
-__all__ = ["CellRun", "Execution", "execute", "collector_source", "read_values", "TOKEN_VAR"]
-
-TOKEN_VAR = "LABKIT_GRADE_TOKEN"
+__all__ = ["CellRun", "Execution", "execute", "collector_source", "read_values"]
 
 _COLLECT = r'''
 def __labkit_collect__(names, pickled, out):
@@ -167,7 +165,7 @@ async def _run(nb, names, pickled, ex, work, env, cell_timeout, deadline, collec
         (work / "answers").mkdir()
         cwd = work / f"cwd{attempt}"
         cwd.mkdir()
-        token = uuid.uuid4().hex
+        tree = Tree("grading kernel")   # the kernel and everything its cells start
         ex.cells, killer = [], None
         client = _Client(nb, timeout=None, timeout_func=lambda cell: client.limit,
                          interrupt_on_timeout=True, allow_errors=True, kernel_name="python3",
@@ -175,12 +173,12 @@ async def _run(nb, names, pickled, ex, work, env, cell_timeout, deadline, collec
         client.grace = grace
         client.on_cell_executed = lambda **kw: setattr(client, "reply", kw["execute_reply"])
         try:
-            await _start(client, cwd, {**os.environ, **env, TOKEN_VAR: token})
+            await _start(client, cwd, tree.env({**os.environ, **env}))
             killer = await _cells(client, nb, ex, skip, cell_timeout, deadline)
             if killer is None:
                 await _collect(client, names, pickled, work / "answers", collect_timeout, ex)
         finally:
-            await _stop(client, token)
+            await _stop(client, tree)
         if killer is None:
             return
         skip[killer.cell - 1] = f"skipped: in an earlier run it {killer.detail}"
@@ -259,8 +257,8 @@ async def _collect(client, names, pickled, out: Path, limit: float, ex: Executio
         ex.notes.append(f"collecting the answers ran past {limit:.0f} s")
 
 
-async def _stop(client: _Client, token: str) -> None:
-    """Shut the kernel down, then kill anything still carrying this submission's token."""
+async def _stop(client: _Client, tree: Tree) -> None:
+    """Shut the kernel down, then stop its tree: anything its cells started is killed too."""
     km = client.km
     try:
         if km is not None and km.has_kernel:
@@ -275,7 +273,7 @@ async def _stop(client: _Client, token: str) -> None:
                 await ensure_async(km.cleanup_resources())
             except Exception:  # noqa: BLE001
                 pass
-        kill_marked(TOKEN_VAR, token)
+        tree.stop()
 
 
 def _exit_code(client) -> str:

@@ -6,8 +6,9 @@ exercise (its function, under the bank's checker, which starts real ranks) or a 
 question (the bank's key, called on the notebook's inputs) — are scored here: one fresh
 process per submission (``python -m labkit.grading.sandbox REQUEST``) that loads the pickles,
 runs each check under a time limit, and writes each :class:`~labkit.grading.score.Score` back
-as JSON as soon as it is done. The parent gives it a token in its environment; whatever is
-still running when it ends or runs past its limit (the process, its ranks) is killed.
+as JSON as soon as it is done. It runs in a process tree of its own
+(:func:`labkit.runtime.procs.run`): whatever is still running when it ends or runs past its
+limit (the process, its ranks) is killed.
 
 This isolates the grader from the submission; it is not an operating-system sandbox (the
 checker process has the grader's user rights), so grade untrusted work as an unprivileged
@@ -17,24 +18,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
-from ..runtime.procs import kill_marked
+from ..runtime import procs
 from .bank import Bank, Question, load_bank
 from .exercise import Case
 from .score import Score
 
-__all__ = ["score_in_sandbox", "score_trusted", "read_scores", "TOKEN_VAR", "KEY_TIMEOUT_S"]
+__all__ = ["score_in_sandbox", "score_trusted", "read_scores", "KEY_TIMEOUT_S"]
 
-TOKEN_VAR = "LABKIT_SANDBOX_TOKEN"
 KEY_TIMEOUT_S = 60.0     # a quiz key is quick; an exercise gets the grader's check timeout
 _START_S = 60.0          # the process's own start (torch import) on a loaded machine
 
@@ -45,7 +43,6 @@ def score_in_sandbox(bank: Bank, questions: list[Question], collected: dict[str,
     question the process could not finish)."""
     if not questions:
         return {}
-    token = uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix="labkit-sandbox-") as tmp:
         folder = Path(tmp)
         names = {q.variable for q in questions} | {n for q in questions for n in q.inputs}
@@ -61,17 +58,15 @@ def score_in_sandbox(bank: Bank, questions: list[Question], collected: dict[str,
         (folder / "request.json").write_text(json.dumps(request, default=str))
         limit = _START_S + sum(check_timeout if q.kind == "exercise" else KEY_TIMEOUT_S
                                for q in questions)
-        env = {**os.environ, TOKEN_VAR: token}
         try:
-            proc = subprocess.run([sys.executable, "-m", "labkit.grading.sandbox", tmp],
-                                  env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, timeout=limit)
-            why = (f"the checker process exited with code {proc.returncode}: "
-                   f"{proc.stderr.decode(errors='replace').strip()[-300:]}")
+            code, _, err = procs.run("checker process",
+                                     [sys.executable, "-m", "labkit.grading.sandbox", tmp], limit,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+            why = (f"the checker process exited with code {code}: "
+                   f"{err.decode(errors='replace').strip()[-300:]}")
         except subprocess.TimeoutExpired:
             why = f"the checker process ran past its {limit:.0f} s limit and was stopped"
-        finally:
-            kill_marked(TOKEN_VAR, token)
         done = read_scores(folder / "results.jsonl")
     return {q.id: done.get(q.id) or Score(q.id, 0.0, q.points, "error", f"not graded: {why}")
             for q in questions}

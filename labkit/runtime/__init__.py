@@ -9,18 +9,19 @@
 * :mod:`~labkit.runtime.commtrace` / :mod:`~labkit.runtime.commview` — ``lk.run(...,
   trace=True)``: the collectives of every rank that reach the dispatcher, recorded in the ranks
   (:mod:`labkit.runtime.commtrace` says exactly what it sees), read in the notebook;
-* :mod:`~labkit.runtime.procs` — free ports, parent-death signals, killing and reaping
-  (also used by the grader's kernels and the torchrun launcher).
+* :mod:`~labkit.runtime.procs` — the one owner of the lab's processes: every process tree the
+  lab starts (ranks, torchrun jobs, grading kernels, checker processes) is started, found and
+  stopped there.
 
 Nothing here imports torch in the notebook's process.
 """
 from .errors import (BackendUnavailable, InvalidJob, JobFailed, JobTimeout, LabkitError,
                      RankCrashed, RankError, RemoteTraceback, ResultNotPicklable,
                      UnsupportedPlatform)
-from .launch import MAX_WORLD_SIZE, check_platform, managed_pids, run, shutdown, warmup
+from .launch import MAX_WORLD_SIZE, check_platform, run, shutdown, warmup
 from .result import JobResult, RankResult
 
-__all__ = ["run", "warmup", "shutdown", "managed_pids", "check_platform", "MAX_WORLD_SIZE",
+__all__ = ["run", "warmup", "shutdown", "check_platform", "MAX_WORLD_SIZE",
            "JobResult", "RankResult", "LabkitError", "InvalidJob", "UnsupportedPlatform",
            "BackendUnavailable", "JobFailed", "RankError", "ResultNotPicklable", "RankCrashed",
            "JobTimeout", "RemoteTraceback"]

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from . import procs
+
 _STEP = '''
 def step(rank, world_size):
     import torch, torch.distributed as dist
@@ -71,11 +73,12 @@ def _python(script: str, *args: str) -> float:
         path = os.path.join(d, "bench_script.py")
         with open(path, "w") as f:
             f.write(script)
-        out = subprocess.run([sys.executable, path, *args], capture_output=True, text=True,
-                             timeout=300, env={**os.environ, "LABKIT_PRESTART": "0"})
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark subprocess failed:\n{out.stderr[-2000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+        code, out, err = procs.run("benchmark script", [sys.executable, path, *args], 300,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "LABKIT_PRESTART": "0"})
+    if code != 0:
+        raise RuntimeError(f"benchmark subprocess failed:\n{err[-2000:]}")
+    return float(out.strip().splitlines()[-1])
 
 
 def _warm(n: int, repeat: int = 30) -> float:

@@ -19,12 +19,9 @@ signal) and native Windows (no fork at all) are refused at once with
 """
 from __future__ import annotations
 
-import atexit
 import inspect
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -36,7 +33,7 @@ from .pool import Interrupts, Pool, Zygote
 from .protocol import PoolSpec
 from .result import JobResult
 
-__all__ = ["run", "warmup", "shutdown", "managed_pids", "check_platform", "MAX_WORLD_SIZE",
+__all__ = ["run", "warmup", "shutdown", "check_platform", "MAX_WORLD_SIZE",
            "BACKENDS", "SUPPORTED_PLATFORMS"]
 
 MAX_WORLD_SIZE = int(os.environ.get("LABKIT_MAX_WORLD_SIZE", "32"))
@@ -48,7 +45,6 @@ _lock = threading.RLock()
 SUPPORTED_PLATFORMS = ("linux",)
 _zygotes: OrderedDict[tuple, Zygote] = OrderedDict()  # at most 2, by job env
 _pool: Pool | None = None
-_tmp: str | None = None
 
 
 def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
@@ -140,18 +136,6 @@ def warmup() -> None:
         _zygote_for({})
 
 
-def managed_pids() -> set[int]:
-    """Pids of the processes the runner keeps on purpose: the zygotes and the warm pool's ranks.
-
-    Everything else a job started is gone when :func:`run` returns (tests check it).
-    """
-    with _lock:
-        pids = {z.proc.pid for z in _zygotes.values() if z.alive()}
-        if _pool is not None:
-            pids.update(p for p in _pool.pids if p not in _pool.zygote.exits)
-        return pids
-
-
 def check_platform(platform: str | None = None) -> None:
     """Refuse, at once and with the way out, an operating system the runner cannot serve."""
     platform = sys.platform if platform is None else platform
@@ -173,18 +157,12 @@ def check_platform(platform: str | None = None) -> None:
 
 
 def shutdown() -> None:
-    """Stop the warm ranks and the zygotes now (they also stop when idle or at exit)."""
-    global _tmp
+    """Stop the warm ranks and the zygotes now (they also stop when idle, and at exit:
+    :func:`labkit.runtime.procs.stop_all`)."""
     with _lock:
         _drop_pool()
         while _zygotes:
             _zygotes.popitem()[1].close()
-        if _tmp is not None:
-            shutil.rmtree(_tmp, ignore_errors=True)
-            _tmp = None
-
-
-atexit.register(shutdown)
 
 
 # --------------------------------------------------------------- validation
@@ -254,13 +232,6 @@ def _resolve_backend(backend: str, world_size: int, zygote) -> str:
 
 
 # ----------------------------------------------------------- process cache
-def _tmpdir() -> str:
-    global _tmp
-    if _tmp is None or not os.path.isdir(_tmp):
-        _tmp = tempfile.mkdtemp(prefix=f"labkit-{os.getpid()}-")
-    return _tmp
-
-
 def _zygote_for(env: dict) -> Zygote:
     key = tuple(sorted(env.items()))
     z = _zygotes.pop(key, None)
@@ -269,7 +240,7 @@ def _zygote_for(env: dict) -> Zygote:
             if _pool is not None and _pool.zygote is z:
                 _drop_pool()
             z.close()
-        z = Zygote(env, _tmpdir())
+        z = Zygote(env)
     _zygotes[key] = z
     while len(_zygotes) > 2:
         old_key, old = _zygotes.popitem(last=False)
@@ -287,7 +258,7 @@ def _pool_for(zygote, spec: PoolSpec, fresh: bool):
         return _pool, False
     # A start that fails or is interrupted kills its ranks (Pool, Zygote.fork); a zygote that
     # failed is closed, and the next _zygote_for replaces it.
-    _pool = Pool(zygote, spec, _tmpdir())
+    _pool = Pool(zygote, spec)
     return _pool, True
 
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -24,7 +25,7 @@ from multiprocessing.connection import Connection, wait
 
 from .errors import LabkitError
 from .pickling import ValueNotLoadable, load_value, with_sources
-from .procs import signal_all
+from .procs import Tree, signal_all
 from .protocol import EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec
 from .result import JobResult, RankResult
 from .stacks import parse_stack, where_stuck
@@ -180,17 +181,27 @@ def wait_for(objects: list, timeout: float) -> list:
 class Zygote:
     """A preloaded process (torch imported) that forks ranks on request."""
 
-    def __init__(self, env: dict, tmp: str):
+    def __init__(self, env: dict):
         self.env = env
         self.exits: dict[int, int] = {}          # pid -> wait status, reported by the zygote
+        self.dir = tempfile.mkdtemp(prefix=f"labkit-{os.getpid()}-")
+        self.tree = Tree("rank launcher", dirs=[self.dir])   # it, its ranks, their children
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.log = os.path.join(tmp, f"zygote-{len(os.listdir(tmp))}.log")
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "labkit.runtime.zygote", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=log, start_new_session=True)  # kernel interrupts miss ranks
-        theirs.close()
+        self.log = os.path.join(self.dir, "zygote.log")
+        try:
+            with open(self.log, "wb") as log:
+                self.proc = self.tree.start(
+                    [sys.executable, "-m", "labkit.runtime.zygote", str(theirs.fileno())],
+                    env={**os.environ, **env}, pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    start_new_session=True)              # kernel interrupts miss ranks
+        except BaseException:
+            self.sock.close()
+            self.tree.stop()
+            raise
+        finally:
+            theirs.close()
+        self.tree.kept.add(self.proc.pid)        # warm on purpose, until closed
         # Reap it the moment it exits (idle, or killed), so no zombie waits for the next job.
         threading.Thread(target=self.proc.wait, daemon=True, name="labkit-reaper").start()
         self.gpus: int | None = None             # known once the zygote says hello
@@ -283,23 +294,20 @@ class Zygote:
             return "(no log)"
 
     def close(self) -> None:
-        """End the zygote: at EOF it kills and reaps its ranks and exits; one still busy after
-        ``_CLOSE_S`` (importing, forking) is killed, its ranks with it (PR_SET_PDEATHSIG)."""
+        """End the zygote and its tree: at EOF it kills and reaps its ranks and exits; one still
+        busy after ``_CLOSE_S`` (importing, forking) is killed, and so is every process left
+        carrying its mark (:meth:`~labkit.runtime.procs.Tree.stop`)."""
         with Interrupts.deferred():
             self.sock.close()
-            try:
-                self.proc.wait(timeout=_CLOSE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.tree.stop(grace=_CLOSE_S)
 
 
 class Pool:
     """``world_size`` warm ranks with a process group, forked from one zygote."""
 
-    def __init__(self, zygote: Zygote, spec: PoolSpec, tmp: str):
+    def __init__(self, zygote: Zygote, spec: PoolSpec):
         self.zygote, self.spec, self.healthy = zygote, spec, True
-        self.dir = os.path.join(tmp, f"pool-{time.monotonic_ns()}")
+        self.dir = os.path.join(zygote.dir, f"pool-{time.monotonic_ns()}")
         os.makedirs(self.dir)
         self.pids, self.conns = zygote.fork(spec.with_dir(self.dir))
         self.jobs, self.last_used = 0, time.monotonic()
@@ -308,6 +316,7 @@ class Pool:
         except BaseException:
             self.kill()
             raise
+        zygote.tree.kept.update(self.pids)       # warm on purpose, until killed
 
     def _rendezvous(self, limit: float) -> None:
         port = self._expect(0, PORT, limit)
@@ -408,6 +417,7 @@ class Pool:
     def kill(self, keep_files: bool = False) -> None:
         """SIGKILL every rank and wait until the zygote has reaped them all."""
         self.healthy = False
+        self.zygote.tree.kept.difference_update(self.pids)
         self.zygote.kill(self.pids, self.conns)
         if not keep_files:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,31 +1,230 @@
-"""Starting, killing and reaping processes, and free ports: the one owner of these mechanisms.
+"""Starting, stopping and finding the lab's processes: the one owner of these mechanisms.
 
-Every part of the lab that runs processes uses these helpers: the rank pool and its zygote
-(:mod:`labkit.runtime.pool`, :mod:`labkit.runtime.zygote`), the grader's kernels
-(:mod:`labkit.grading.kernel`) and the torchrun launcher (:mod:`labkit.runtime.torchrun`).
+Every process the lab starts belongs to a :class:`Tree`: the rank launcher of :func:`labkit.run`
+and the ranks it forks (:mod:`labkit.runtime.pool`), a torchrun job's agents and workers
+(:mod:`labkit.runtime.torchrun`), a grading kernel and whatever its cells start
+(:mod:`labkit.grading.kernel`), a checker process (:mod:`labkit.grading.sandbox`), a benchmark's
+script (:mod:`labkit.runtime.bench`). A tree is marked by one environment variable, :data:`MARK`,
+that every descendant inherits, so the whole tree is found — orphans whose parent died
+included — and stopped by one verb, :meth:`Tree.stop`, on every path: a job's end, an error, an
+interrupt, the kernel's exit (one ``atexit`` hook, :func:`stop_all`). A tree started inside
+another one (a kernel's own :func:`labkit.run`) extends the outer mark, so stopping the outer
+tree stops it too.
 
-* :func:`free_port` — a TCP port on 127.0.0.1 chosen by the OS (never a fixed 29500: two
-  kernels would collide).
-* :func:`die_with_parent` — ask Linux to signal this process when its parent dies, so
-  nothing outlives a killed kernel.
-* :func:`signal_all` — send a signal to pids that may already be gone.
-* :func:`marked` / :func:`kill_marked` — processes found by a token in their environment
-  (a token every descendant inherits, so orphans whose parent died are found too), and
-  killing them until none is left.
+* :class:`Tree` — start processes marked, list them (:meth:`~Tree.live`), stop them all.
+* :func:`run` — one command in a tree of its own, stopped whatever happens (a time limit, Ctrl-C).
+* :func:`ours` — what this process started and is still alive, less (if asked) what an owner
+  keeps alive on purpose (:func:`kept`: the warm ranks and their launcher); :func:`marked` and
+  :func:`marks` find the processes of given trees. The tests' leak check asks :func:`ours`.
+* :func:`free_port`, :func:`die_with_parent`, :func:`signal_all` — a free TCP port, Linux's
+  parent-death signal, signals to pids that may be gone.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import threading
+import time
+import uuid
 from typing import Iterable
 
 import psutil
 
-__all__ = ["free_port", "die_with_parent", "signal_all", "marked", "kill_marked", "kill_and_wait"]
+__all__ = ["MARK", "Tree", "run", "ours", "kept", "marks", "stop_all", "marked", "free_port",
+           "die_with_parent", "signal_all"]
 
+MARK = "LABKIT_TREE"     # "<outer mark>/<pid>.<hex>": one segment per tree, outermost first
 _PR_SET_PDEATHSIG = 1
+_REAP_S = 5.0            # how long a SIGKILLed process may take to go, on a loaded machine
+_SWEEPS = 5              # a dying parent may still start a child: the sweep repeats
+
+_lock = threading.Lock()
+_trees: dict[str, "Tree"] = {}   # the trees not stopped yet, in the order they were made
+_minted: dict[str, str] = {}     # every mark made here -> its tree's ``what`` (orphans of a
+                                 # stopped tree are ours too)
+
+
+class Tree:
+    """Processes started for one purpose, marked so that every descendant is found and stopped.
+
+    ``what`` names the purpose in messages. Start roots with :meth:`start` (or hand
+    :meth:`env` to a library that starts them, as jupyter_client starts a kernel); ``dirs``
+    are removed when the tree stops; ``kept`` holds the pids its owner keeps alive on purpose
+    (the leak check leaves them). :meth:`stop` is the one way to end it.
+    """
+
+    def __init__(self, what: str, dirs: Iterable[str] = ()):
+        self.what, self.dirs = what, list(dirs)
+        self.token = f"{os.environ.get(MARK, '')}/{os.getpid()}.{uuid.uuid4().hex}".lstrip("/")
+        self.owner = os.getpid()
+        self.roots: list[subprocess.Popen] = []
+        self.kept: set[int] = set()
+        self.stopped = False
+        with _lock:
+            _trees[self.token] = self
+            _minted[self.token] = what
+
+    def env(self, base: dict | None = None) -> dict:
+        """``base`` (default: this process's environment) with this tree's mark."""
+        return {**(os.environ if base is None else base), MARK: self.token}
+
+    def start(self, argv: list[str], *, env: dict | None = None, **popen) -> subprocess.Popen:
+        """Start ``argv`` in this tree (``env`` as :meth:`env`'s ``base``); other keywords go to
+        :class:`subprocess.Popen`."""
+        if self.stopped:
+            raise RuntimeError(f"the {self.what} was stopped: start a new tree")
+        proc = subprocess.Popen(argv, env=self.env(env), **popen)
+        self.roots.append(proc)
+        return proc
+
+    def live(self) -> list[psutil.Process]:
+        """Live processes of this tree (and of trees started inside it), wherever they are."""
+        return marked(self.token)
+
+    def stop(self, sig: int | None = None, grace: float = 0.0) -> list[int]:
+        """Stop the whole tree; returns the pids killed by the sweep.
+
+        ``sig`` (e.g. SIGTERM) is sent to the roots first, and the roots get up to ``grace``
+        seconds to exit on their own (a zygote whose socket was closed, a torchrun agent
+        stopping its workers); then every root left is SIGKILLed and reaped, and every process
+        carrying the mark is killed until none is left. Safe to call again, from any path."""
+        alive = [p for p in self.roots if p.poll() is None]
+        if sig is not None:
+            for p in alive:
+                _signal(p, sig)
+        end = time.monotonic() + grace
+        while alive and time.monotonic() < end:
+            time.sleep(0.02)
+            alive = [p for p in alive if p.poll() is None]
+        for p in alive:
+            _signal(p, signal.SIGKILL)
+        for p in self.roots:
+            try:
+                p.wait(_REAP_S)
+            except subprocess.TimeoutExpired:
+                pass
+        killed = _sweep(self.token)
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.stopped = True
+        with _lock:
+            _trees.pop(self.token, None)
+        return killed
+
+    def __repr__(self) -> str:
+        state = "stopped" if self.stopped else f"{len(self.roots)} root(s)"
+        return f"<Tree {self.what!r} {state} {self.token}>"
+
+
+def run(what: str, argv: list[str], timeout: float, **popen) -> tuple[int, bytes, bytes]:
+    """Run ``argv`` to its end in a tree of its own: (returncode, stdout, stderr).
+
+    Past ``timeout`` seconds :class:`subprocess.TimeoutExpired` is raised; then, on an error or
+    an interrupt too, the tree is stopped first (so is anything the command left behind)."""
+    tree, proc = Tree(what), None
+    try:
+        proc = tree.start(argv, **popen)
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    finally:
+        tree.stop()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr) if proc is not None else ():
+            if pipe is not None:
+                pipe.close()
+
+
+def ours(*, kept_too: bool = True) -> dict[int, psutil.Process]:
+    """Live processes this process started: its descendants and every process carrying a mark
+    made here (orphans re-parented to init included); with ``kept_too=False``, less those an
+    owner keeps alive on purpose (:func:`kept`)."""
+    found = {p.pid: p for p in psutil.Process().children(recursive=True)}
+    found.update((p.pid, p) for p in marked(marks()))
+    skip = set() if kept_too else kept()
+    return {pid: p for pid, p in found.items() if pid not in skip and _alive(p)}
+
+
+def marks(what: str | None = None) -> list[str]:
+    """The marks of every tree made here (stopped ones too), or of those named ``what``."""
+    with _lock:
+        return [t for t, w in _minted.items() if what is None or w == what]
+
+
+def kept() -> set[int]:
+    """Pids that their tree's owner keeps alive on purpose (the warm ranks and their launcher)."""
+    with _lock:
+        pids = {pid for t in _trees.values() for pid in t.kept}
+    return {pid for pid in pids if _alive_pid(pid)}
+
+
+def stop_all() -> None:
+    """Stop every tree this process made and has not stopped (newest first): run at exit."""
+    with _lock:
+        trees = [t for t in _trees.values() if t.owner == os.getpid()]   # not a fork's parent's
+    for t in reversed(trees):
+        t.stop()
+
+
+atexit.register(stop_all)
+
+
+def marked(tokens: str | Iterable[str]) -> list[psutil.Process]:
+    """Live (non-zombie) processes carrying one of these marks, or a mark inside one of them."""
+    wanted = [tokens] if isinstance(tokens, str) else list(tokens)
+    if not wanted:
+        return []
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid == os.getpid() or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            mark = p.environ().get(MARK)
+            if mark and any(mark == t or mark.startswith(t + "/") for t in wanted):
+                out.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def _sweep(token: str) -> list[int]:
+    killed: list[int] = []
+    for _ in range(_SWEEPS):
+        left = marked(token)
+        if not left:
+            break
+        killed += [p.pid for p in left]
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=_REAP_S)
+    return killed
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _alive_pid(pid: int) -> bool:
+    try:
+        return _alive(psutil.Process(pid))
+    except psutil.Error:
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,7 +238,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     """Ask Linux to send ``sig`` to this process when the process that forked it dies.
 
     Returns False where the platform has no parent-death signal (then only the
-    callers' socket-EOF checks and ``atexit`` handlers clean up).
+    callers' socket-EOF checks and :func:`stop_all` at exit clean up).
     """
     try:
         return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
@@ -54,44 +253,3 @@ def signal_all(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def marked(var: str, tokens: str | Iterable[str]) -> list[psutil.Process]:
-    """Live (non-zombie) processes whose environment sets ``var`` to one of ``tokens``."""
-    wanted = {tokens} if isinstance(tokens, str) else set(tokens)
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.pid == os.getpid() or p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if p.environ().get(var) in wanted:
-                out.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return out
-
-
-def kill_and_wait(procs: Iterable[psutil.Process], timeout: float = 3.0) -> list[psutil.Process]:
-    """SIGKILL each process and wait up to ``timeout`` s for it to go; returns those left."""
-    procs = list(procs)
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return alive
-
-
-def kill_marked(var: str, tokens: str | Iterable[str], timeout: float = 5.0,
-                rounds: int = 5) -> list[int]:
-    """Kill every process marked ``var=token`` until none is left (a dying parent may still
-    start a child, so the scan repeats up to ``rounds`` times). Returns the pids killed."""
-    killed: list[int] = []
-    for _ in range(rounds):
-        left = marked(var, tokens)
-        if not left:
-            break
-        killed += [p.pid for p in left]
-        kill_and_wait(left, timeout)
-    return killed

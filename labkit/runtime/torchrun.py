@@ -18,16 +18,15 @@ that meet in a c10d rendezvous on 127.0.0.1 (a free port): two "nodes" on
 one machine. Every agent gets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without
 it, restarted gloo groups in torch 2.13 often fail with ``Gloo connectFullMesh
 failed``), ``OMP_NUM_THREADS=1`` and ``LOGLEVEL=INFO``. Every process of a job
-carries a token in its environment; when the job ends, fails, times out or is
-interrupted, each one still alive is killed, and agents die with the kernel.
+belongs to one :class:`~labkit.runtime.procs.Tree` (its mark in their environment); when the
+job ends, fails, times out or is interrupted, each one still alive is killed, and agents die
+with the kernel.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import queue
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from typing import Callable
 import psutil
 
 from .errors import LabkitError
-from .procs import free_port, kill_marked, marked
+from .procs import Tree, free_port, marked, marks, signal_all
 from .torchrun_log import Line, Run, parse_agent
 
 __all__ = ["launch", "run", "command", "Job", "Run", "Line", "TorchrunError", "TorchrunTimeout",
@@ -48,16 +47,14 @@ __all__ = ["launch", "run", "command", "Job", "Run", "Line", "TorchrunError", "T
 
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
              "LOGLEVEL": "INFO", "PYTHONUNBUFFERED": "1"}
-TOKEN = "LABKIT_TORCHRUN_TOKEN"
+_WHAT = "torchrun job"
 # Runs first in each agent: ask Linux for SIGTERM when the parent (the kernel) dies, so the
-# agent stops its workers; then become torchrun. (Elsewhere: atexit and job.stop() only.)
+# agent stops its workers; then become torchrun. (Elsewhere: job.stop() and procs.stop_all.)
 _WRAP = ("import os, signal, sys\n"
          "from labkit.runtime.procs import die_with_parent\n"
          "die_with_parent(signal.SIGTERM)\n"
          "os.getppid() == int(sys.argv[1]) or sys.exit(1)\n"
          "os.execv(sys.argv[2], sys.argv[2:])\n")
-_live: dict[str, "Job"] = {}
-_started: set[str] = set()        # tokens of every job this process launched
 
 
 class TorchrunError(LabkitError):
@@ -105,24 +102,24 @@ def command(target: str, args: list[str] | tuple = (), *, nproc_per_node: int = 
 class Job:
     """One or more running torchrun agents: follow their output, kill workers, stop them all."""
 
-    def __init__(self, cmds: list[list[str]], env: dict, cwd: str | None, echo: bool | str):
-        self.token, self.echo, self.cmds = uuid.uuid4().hex, echo, cmds
+    def __init__(self, cmds: list[list[str]], env: dict, cwd: str | None, echo: bool | str,
+                 dirs: list[str] = ()):
+        self.tree = Tree(_WHAT, dirs)          # the agents, their workers, anything they start
+        self.token, self.echo, self.cmds = self.tree.token, echo, cmds
         self.lines: list[Line] = []
         self.t0 = time.monotonic()
         self._q: queue.Queue = queue.Queue()
         self._state: list[dict] = [{} for _ in cmds]   # per agent: local -> global rank ...
         self._eof = 0
         self._result: Run | None = None
-        full_env = {**os.environ, **AGENT_ENV, **env, TOKEN: self.token}
+        full_env = {**os.environ, **AGENT_ENV, **env}
         self.agents: list[subprocess.Popen] = []
         self._threads = []
-        _live[self.token] = self
-        _started.add(self.token)
         try:
             for node, cmd in enumerate(cmds):
-                p = subprocess.Popen([sys.executable, "-c", _WRAP, str(os.getpid()), *cmd],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
-                                     cwd=cwd, start_new_session=True)
+                p = self.tree.start([sys.executable, "-c", _WRAP, str(os.getpid()), *cmd],
+                                    env=full_env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
                 self.agents.append(p)
                 t = threading.Thread(target=self._read, args=(node, p), daemon=True)
                 t.start()
@@ -208,7 +205,7 @@ class Job:
             raise TorchrunError(f"no live worker with rank {rank} (live: {sorted(procs)}): it "
                                 f"has not started yet, or the job ended. Follow the job until a "
                                 f"worker prints, then kill it.")
-        os.kill(procs[rank].pid, sig)
+        signal_all([procs[rank].pid], sig)
         name = signal.Signals(sig).name
         line = Line(time.monotonic() - self.t0, -1, "notebook", None,
                     f"sent {name} to rank {rank} (pid {procs[rank].pid})")
@@ -219,25 +216,8 @@ class Job:
 
     def stop(self) -> None:
         """Kill every process of the job now (agents first get SIGTERM, 2 s to stop workers)."""
-        for p in self.agents:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        end = time.monotonic() + 2.0
-        while self.running and time.monotonic() < end:
-            time.sleep(0.05)
-        self._kill_rest()
+        self.tree.stop(signal.SIGTERM, grace=2.0)
         self._finish()
-
-    def _kill_rest(self) -> None:
-        for p in self.agents:      # agents first, so that none starts a worker after the scan
-            if p.poll() is None:
-                p.kill()
-        for p in self.agents:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_marked(TOKEN, self.token, timeout=3)
 
     def _finish(self) -> None:
         if self._result is not None:
@@ -247,7 +227,7 @@ class Job:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 pass
-        self._kill_rest()  # orphans: workers whose agent died without stopping them
+        self.tree.stop()  # orphans: workers whose agent died without stopping them
         while True:
             try:
                 line = self._q.get_nowait()
@@ -260,9 +240,6 @@ class Job:
                 p.stdout.close()
         self._result = Run(self.cmds, [p.returncode for p in self.agents], self.lines,
                            time.monotonic() - self.t0)
-        for d in getattr(self, "_tmp", ()):
-            shutil.rmtree(d, ignore_errors=True)
-        _live.pop(self.token, None)
 
     def __enter__(self) -> "Job":
         return self
@@ -273,12 +250,13 @@ class Job:
 
 
 def live_processes(token: str | None = None) -> list[psutil.Process]:
-    """Live processes of the job with ``token``, or (default) of every job this process launched.
+    """Live processes of the job with ``token`` (``job.token``), or (default) of every job this
+    process launched.
 
-    Agents and workers are found by the token in their environment, so a worker
+    Agents and workers are found by their tree's mark in their environment, so a worker
     whose agent died (an orphan) is found too.
     """
-    return marked(TOKEN, token if token else _started)
+    return marked(token if token else marks(_WHAT))
 
 
 def launch(target: str, args: list | tuple = (), *, nproc_per_node: int = 2, max_restarts: int = 0,
@@ -312,14 +290,7 @@ def launch(target: str, args: list | tuple = (), *, nproc_per_node: int = 2, max
     cmds = [command(target, args, nproc_per_node=nproc_per_node, max_restarts=max_restarts,
                     nnodes=nnodes, rdzv_endpoint=endpoint, rdzv_id=rdzv_id, log_dir=d,
                     extra=extra) for d in logs]
-    try:
-        job = Job(cmds, dict(env or {}), cwd, echo)
-    except BaseException:
-        for d in logs:
-            shutil.rmtree(d, ignore_errors=True)
-        raise
-    job._tmp = logs
-    return job
+    return Job(cmds, dict(env or {}), cwd, echo, logs)   # its tree removes the logs
 
 
 def _check_target(target: str, cwd: str | None) -> None:
@@ -353,11 +324,3 @@ def run(target: str, args: list | tuple = (), *, timeout: float = 180.0, check: 
         raise TorchrunFailed(f"torchrun exited with code {result.returncode}.\n"
                              f"{result.summary or result.tail()}", result)
     return result
-
-
-def _stop_all() -> None:
-    for job in list(_live.values()):
-        job.stop()
-
-
-atexit.register(_stop_all)

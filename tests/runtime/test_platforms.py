@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import labkit as lk
-from labkit.runtime import check_platform, launch, managed_pids
+from labkit.runtime import check_platform, launch, procs
 
 
 @pytest.mark.parametrize("platform, words", [
@@ -31,4 +31,4 @@ def test_lk_run_refuses_before_starting_anything(monkeypatch):
         lk.run(lambda rank, world_size: rank, world_size=2)
     with pytest.raises(lk.UnsupportedPlatform):
         lk.warmup()
-    assert managed_pids() == set() and not launch._zygotes
+    assert procs.kept() == set() and not launch._zygotes
