@@ -276,3 +276,32 @@ def test_partial_credit_counts_the_cases_that_pass():
 def test_no_rank_outlives_the_checks():
     lk.shutdown()
     assert_no_ranks_left()
+
+
+@pytest.mark.parametrize("setup", ["SGD with momentum", "Adam"])
+def test_a_right_answer_s_float_noise_stays_within_the_tolerance(setup):
+    """The ZeRO-1 checker compares with one process within ATOL/RTOL, and a right answer's
+    gradients differ from one process's by fp32 summation-order noise (~1e-8). Adam scales
+    each element's step to about lr whatever the gradient's size, so noise on an element whose
+    gradient nearly cancels became a step error over ATOL (one right answer in a few hundred
+    gradings failed with eps 1e-8). For every gradient size, three steps on a gradient and on
+    the same gradient with that noise must stay well within the tolerance."""
+    import torch
+
+    from labkit.sharding._check_jobs import OPT_SETUPS
+    from labkit.sharding.check import ATOL
+
+    inner, defaults = OPT_SETUPS[setup]
+    sizes = torch.logspace(-10, 0, 201)
+    worst = 0.0
+    for sign in (1.0, -1.0):
+        runs = []
+        for noise in (0.0, 1e-8):
+            p = torch.nn.Parameter(torch.zeros(sizes.numel()))
+            opt = inner([p], **defaults)
+            for step in range(3):
+                p.grad = sign * sizes * (1 + 0.1 * step) + noise
+                opt.step()
+            runs.append(p.detach().clone())
+        worst = max(worst, float((runs[0] - runs[1]).abs().max()))
+    assert worst < ATOL / 4, f"{setup}: 1e-8 of gradient noise moved a parameter by {worst:.3g}"
