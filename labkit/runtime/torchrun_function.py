@@ -118,6 +118,8 @@ def _worker(fn_path: str, out_dir: str) -> int:
     import cloudpickle
     import torch
 
+    import torch._dynamo  # noqa: F401  (before the function's process group: see ddp_torchrun.py)
+
     rank = int(os.environ.get("RANK", "0"))
     report: dict = {"rank": rank, "error": None, "not_done": False, "value": None}
     out = _Tee(sys.stdout)

@@ -53,6 +53,10 @@ import time
 from pathlib import Path
 
 import torch
+# Import torch._dynamo before the process group exists. DDP imports it on first use; on torch
+# 2.13.0, imported after init_process_group it keeps the group (and gloo's threads) alive past
+# destroy_process_group(), and the process can then crash as it exits (notebook 05, pitfalls).
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn

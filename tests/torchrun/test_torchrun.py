@@ -171,11 +171,12 @@ def test_spawn_and_torchrun_variants_train_identically():
     import subprocess
     import sys
 
+    crash = {"PYTHONFAULTHANDLER": "1"}     # a crash, should one come back, names its stack
     spawn = subprocess.Popen([sys.executable, "-m", "labkit.torchrun.ddp_spawn"], text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             env={**os.environ, "OMP_NUM_THREADS": "1", **crash})
     try:
-        launched = run("labkit.torchrun.ddp_torchrun", echo=False, timeout=120)  # meanwhile
+        launched = run("labkit.torchrun.ddp_torchrun", echo=False, timeout=120, env=crash)
         out, err = spawn.communicate(timeout=120)
     finally:
         spawn.kill()
