@@ -174,7 +174,7 @@ def test_ddp_broadcasts_rank0_batchnorm_buffers_at_every_forward():
 
 
 DETAIL_SCRIPT = textwrap.dedent("""
-    import torch, torch.distributed as dist
+    import torch, torch._dynamo, torch.distributed as dist   # dynamo first: see the test below
     from torch.nn.parallel import DistributedDataParallel as DDP
     dist.init_process_group("gloo")
     DDP(torch.nn.Linear(2, 2))
