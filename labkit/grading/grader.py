@@ -63,12 +63,12 @@ from typing import Any, Callable
 
 from .bank import Bank, BankError, all_banks, bank_dir
 from .kernel import checked_source, collector_source, execute, read_values
-from .sandbox import read_scores, score_in_sandbox, score_trusted
+from .sandbox import read_scores, score_in_sandbox
 from .score import MARKS, Score
-from .scoring import score
+from .scoring import score_collected, score_objects
 
 __all__ = ["Options", "SubmissionError", "read_submission", "bank_for", "grade_notebook",
-           "score_collected", "grade_lesson_kernel", "lesson_grade_problems", "grade_paths",
+           "score_bank", "grade_lesson_kernel", "lesson_grade_problems", "grade_paths",
            "submissions_in", "format_report", "write_csv", "main"]
 
 
@@ -220,7 +220,7 @@ def grade_notebook(path: str | os.PathLike, opts: Options | None = None) -> dict
         result["error"] = f"the notebook could not be executed: {type(exc).__name__}: {exc}"
         result["wall_s"] = time.monotonic() - t0
         return result
-    scores = score_collected(bank, ex.values, opts)
+    scores = score_bank(bank, ex.values, opts)
     result.update(status="graded", points=round(sum(s.points for s in scores), 6),
                   questions=[{"kind": bank.questions[s.id].kind, **s.to_dict()} for s in scores],
                   cells=[vars(c) for c in ex.cells], notes=ex.notes,
@@ -228,7 +228,7 @@ def grade_notebook(path: str | os.PathLike, opts: Options | None = None) -> dict
     return result
 
 
-def score_collected(bank: Bank, collected: dict[str, tuple[str, Any]],
+def score_bank(bank: Bank, collected: dict[str, tuple[str, Any]],
                     opts: Options | None = None, trusted: bool = False,
                     checked: dict[str, Score] | None = None) -> list[Score]:
     """Score every question of ``bank`` from the values collected out of a kernel.
@@ -237,16 +237,18 @@ def score_collected(bank: Bank, collected: dict[str, tuple[str, Any]],
     scored here; exercises and computed questions, which run the submission's own objects, in
     the checker process (:func:`labkit.grading.sandbox.score_in_sandbox`). The lab's pytest
     plugin grades nbval's own kernel with this too, with ``trusted=True``: the lab's own
-    notebooks are scored in this process (:func:`labkit.grading.sandbox.score_trusted`), and
+    notebooks are scored in this process (:func:`labkit.grading.scoring.score_objects`), and
     the exercises in ``checked`` keep the Score their own check cell gave.
     """
     opts = opts or Options()
     remote = [q for q in bank.questions.values() if q.runs_submission_code]
     if trusted:
-        sandboxed = score_trusted(remote, collected, opts.check_timeout, checked)
+        sandboxed = {s.id: s for s in score_objects(remote, collected, opts.check_timeout,
+                                                    checked)}
     else:
         sandboxed = score_in_sandbox(bank, remote, collected, opts.check_timeout)
-    return [sandboxed[q.id] if q.runs_submission_code else _score_plain(q, collected)
+    return [sandboxed[q.id] if q.runs_submission_code
+            else score_collected(q, *collected.get(q.variable, ("lost", None)))
             for q in bank.questions.values()]
 
 
@@ -271,7 +273,7 @@ def grade_lesson_kernel(nb, path: Path, run_cell: Callable[[str], None],
         collected = read_values(Path(tmp), bank.names)
         run_cell(checked_source(exercises, Path(tmp) / "checked.jsonl"))
         checked = read_scores(Path(tmp) / "checked.jsonl")
-    scores = score_collected(bank, collected, opts, trusted=True, checked=checked)
+    scores = score_bank(bank, collected, opts, trusted=True, checked=checked)
     return scores, lesson_grade_problems(scores, solved)
 
 
@@ -286,21 +288,6 @@ def lesson_grade_problems(scores: list[Score], solved: bool) -> str | None:
     scored = [s for s in scores if s.points > 0 or s.status not in ("unanswered", "not done")]
     return ("an untouched student notebook must score zero, cleanly:\n" +
             "\n".join(s.text() for s in scored) if scored else None)
-
-
-def _score_plain(q, collected: dict[str, tuple[str, Any]]) -> Score:
-    """A question answered with plain data (JSON), scored here: nothing of the submission runs."""
-    state, value = collected.get(q.variable, ("lost", None))
-    if state == "lost":
-        return Score(q.id, 0.0, q.points, "error", "not graded: the answers could not be "
-                     "collected from the kernel (see the notes)")
-    if state in ("error", "pickle"):
-        detail = value if state == "error" else "it is not plain data"
-        return Score(q.id, 0.0, q.points, "error", f"{q.variable} could not be collected: {detail}")
-    s = score(q, value if state == "ok" else None, {})
-    if state == "missing":
-        s.feedback = f"not answered: the notebook never defines {q.variable}"
-    return s
 
 
 def submissions_in(target: Path) -> list[Path]:

@@ -4,8 +4,9 @@ A pickle can run code when it is loaded, so the grader (:mod:`labkit.grading.gra
 reads plain data (JSON answers). Questions whose scoring needs the submission's objects — an
 exercise (its function, under the bank's checker, which starts real ranks) or a computed
 question (the bank's key, called on the notebook's inputs) — are scored here: one fresh
-process per submission (``python -m labkit.grading.sandbox REQUEST``) that loads the pickles,
-runs each check under a time limit, and writes each :class:`~labkit.grading.score.Score` back
+process per submission (``python -m labkit.grading.sandbox REQUEST``) that loads the pickles
+and runs each check under a time limit (:func:`labkit.grading.scoring.score_objects`, the same
+path that scores plain answers in the grader), and writes each :class:`~labkit.grading.score.Score` back
 as JSON as soon as it is done. It runs in a process tree of its own
 (:func:`labkit.runtime.procs.run`): whatever is still running when it ends or runs past its
 limit (the process, its ranks) is killed.
@@ -16,24 +17,20 @@ user.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
-from typing import Any
 
 from ..runtime import procs
 from .bank import Bank, Question, load_bank
 from .exercise import Case
 from .score import Score
+from .scoring import KEY_TIMEOUT_S, score_objects
 
-__all__ = ["score_in_sandbox", "score_trusted", "read_scores", "KEY_TIMEOUT_S"]
+__all__ = ["score_in_sandbox", "read_scores"]
 
-KEY_TIMEOUT_S = 60.0     # a quiz key is quick; an exercise gets the grader's check timeout
 _START_S = 60.0          # the process's own start (torch import) on a loaded machine
 
 
@@ -87,80 +84,6 @@ def read_scores(path: Path) -> dict[str, Score]:
 
 
 # ------------------------------------------------------------------ the checker process
-class _CheckTimeout(BaseException):
-    """Raised by SIGALRM; a BaseException so that checkers' ``except Exception`` let it through."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float):
-    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
-        yield
-        return
-
-    def alarm(_sig, _frame):
-        raise _CheckTimeout()
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def _load(states: dict, name: str) -> tuple[str, Any]:
-    state, data = states.get(name, ("lost", ""))
-    if state != "pickle":
-        return state, data
-    import cloudpickle
-
-    try:
-        return "ok", cloudpickle.loads(data)
-    except Exception as exc:  # noqa: BLE001
-        return "error", f"could not be loaded: {type(exc).__name__}: {exc}"
-
-
-def _score_one(q: Question, states: dict, check_timeout: float) -> Score:
-    from .scoring import score
-
-    state, value = _load(states, q.variable)
-    if state == "lost":
-        return Score(q.id, 0.0, q.points, "error", "not graded: the answers could not be "
-                     "collected from the kernel (see the notes)")
-    if state == "error":
-        return Score(q.id, 0.0, q.points, "error", f"{q.variable} could not be collected: {value}")
-    inputs = {}
-    for name in q.inputs:
-        s, v = _load(states, name)
-        inputs[name] = v if s == "ok" else None
-    limit = check_timeout if q.kind == "exercise" else KEY_TIMEOUT_S
-    try:
-        with _time_limit(limit):
-            s = score(q, value if state == "ok" else None, inputs)
-    except _CheckTimeout:
-        return Score(q.id, 0.0, q.points, "error", f"the check ran past {limit:g} s and was "
-                     f"stopped (an endless loop or a deadlock in {q.variable}?)")
-    except Exception as exc:  # noqa: BLE001  (a key or checker bug must not stop the gradebook)
-        return Score(q.id, 0.0, q.points, "error", f"the check failed: {type(exc).__name__}: {exc}")
-    if state == "missing":
-        s.feedback = f"not answered: the notebook never defines {q.variable}"
-    return s
-
-
-def score_trusted(questions: list[Question], collected: dict[str, tuple],
-                  check_timeout: float, checked: dict[str, Score] | None = None
-                  ) -> dict[str, Score]:
-    """Score ``questions`` in THIS process: only for notebooks the lab itself wrote (its
-    ``solutions/`` and untouched ``notebooks/``, graded by the test suite), never for a
-    submission. It saves a checker process, and its cold start, per notebook. An exercise in
-    ``checked`` (what the notebook's own check cell scored, on the very function collected)
-    keeps that Score instead of running its checker a second time."""
-    checked = checked or {}
-    return {q.id: checked.get(q.id) or _score_one(q, collected, check_timeout)
-            for q in questions}
-
-
 def main(argv: list[str] | None = None) -> int:
     folder = Path((sys.argv[1:] if argv is None else argv)[0])
     request = json.loads((folder / "request.json").read_text())
@@ -169,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
               for name, (state, data) in request["states"].items()}
     try:
         with open(folder / "results.jsonl", "a") as out:
-            for qid in request["questions"]:
-                s = _score_one(bank.questions[qid], states, request["check_timeout"])
-                out.write(json.dumps(s.to_dict(), default=str) + "\n")
+            questions = [bank.questions[qid] for qid in request["questions"]]
+            for s in score_objects(questions, states, request["check_timeout"]):
+                out.write(json.dumps(s.to_dict(), default=str) + "\n")   # each as it is done
                 out.flush()
     finally:
         from ..runtime.launch import shutdown

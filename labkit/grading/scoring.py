@@ -4,18 +4,29 @@
 so they cannot disagree. Answer kinds (single, multi, numeric, short) are matched here;
 exercises go to their checker through :func:`labkit.grading.exercise.evaluate`. Accepted
 answer forms are listed in :mod:`labkit.grading.quiz`.
+
+What the grader collected from a kernel is scored on one path too: :func:`score_collected`
+(a value that was lost, failed to collect, is missing, or is there), under a time limit for
+checkers and keys, for plain answers in the grader and for objects wherever they are loaded
+(:func:`score_objects`: the checker process of :mod:`labkit.grading.sandbox`, or this process
+for the lab's own notebooks).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from typing import Any
+import signal
+import threading
+from typing import Any, Iterable, Iterator
 
 from .bank import Question, find, resolve
 from .exercise import evaluate
 from .score import Score, fmt
 
-__all__ = ["score"]
+__all__ = ["score", "score_collected", "score_objects", "KEY_TIMEOUT_S"]
+
+KEY_TIMEOUT_S = 60.0     # a quiz key is quick; an exercise gets the grader's check timeout
 
 
 def score(question: Question | str, answer: Any, inputs: dict | None = None) -> Score:
@@ -46,6 +57,86 @@ def score(question: Question | str, answer: Any, inputs: dict | None = None) -> 
     if q.hint:
         feedback += f". Hint: {q.hint}"
     return _score(q, 0.0, "wrong", feedback, shown)
+
+def score_collected(q: Question, state: str, value: Any, inputs: dict | None = None,
+                    limit: float = 0.0) -> Score:
+    """Score what the grader collected for ``q``: ``state`` is ``ok`` (``value`` is the answer),
+    ``missing`` (the notebook never defines it), ``lost`` (nothing could be collected),
+    ``error`` (``value`` says why) or ``pickle`` (an object, here where only plain data is
+    scored). The check runs under ``limit`` seconds (0: none; SIGALRM, main thread only), and a
+    checker or key that fails is an error Score, never an exception."""
+    if state == "lost":
+        return Score(q.id, 0.0, q.points, "error", "not graded: the answers could not be "
+                     "collected from the kernel (see the notes)")
+    if state in ("error", "pickle"):
+        why = value if state == "error" else "it is not plain data"
+        return Score(q.id, 0.0, q.points, "error", f"{q.variable} could not be collected: {why}")
+    try:
+        with _time_limit(limit):
+            s = score(q, value if state == "ok" else None, inputs or {})
+    except _CheckTimeout:
+        return Score(q.id, 0.0, q.points, "error", f"the check ran past {limit:g} s and was "
+                     f"stopped (an endless loop or a deadlock in {q.variable}?)")
+    except Exception as exc:  # noqa: BLE001  (a key or checker bug must not stop the gradebook)
+        return Score(q.id, 0.0, q.points, "error", f"the check failed: {type(exc).__name__}: {exc}")
+    if state == "missing":
+        s.feedback = f"not answered: the notebook never defines {q.variable}"
+    return s
+
+
+def score_objects(questions: Iterable[Question], collected: dict[str, tuple[str, Any]],
+                  check_timeout: float, checked: dict[str, Score] | None = None
+                  ) -> Iterator[Score]:
+    """Score questions that run the submission's objects (exercises, computed keys) in THIS
+    process, loading the pickles collected: what the checker process does
+    (:mod:`labkit.grading.sandbox`), and the grader's path for the lab's own notebooks only
+    (``trusted``), never for a submission. An exercise in ``checked`` (scored by the
+    notebook's own check cell, on the very function collected) keeps that Score."""
+    checked = checked or {}
+    for q in questions:
+        if q.id in checked:
+            yield checked[q.id]
+            continue
+        state, value = _load(collected, q.variable)
+        inputs = {name: v if s == "ok" else None
+                  for name, (s, v) in ((n, _load(collected, n)) for n in q.inputs)}
+        yield score_collected(q, state, value, inputs,
+                              check_timeout if q.kind == "exercise" else KEY_TIMEOUT_S)
+
+
+def _load(collected: dict, name: str) -> tuple[str, Any]:
+    state, data = collected.get(name, ("lost", ""))
+    if state != "pickle":
+        return state, data
+    import cloudpickle
+
+    try:
+        return "ok", cloudpickle.loads(data)
+    except Exception as exc:  # noqa: BLE001
+        return "error", f"could not be loaded: {type(exc).__name__}: {exc}"
+
+
+class _CheckTimeout(BaseException):
+    """Raised by SIGALRM; a BaseException so that checkers' ``except Exception`` let it through."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
+        yield
+        return
+
+    def alarm(_sig, _frame):
+        raise _CheckTimeout()
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
 
 class _Invalid(ValueError):
     """An answer in a form the question cannot read (the message says which forms it takes)."""

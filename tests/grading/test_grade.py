@@ -338,13 +338,13 @@ def _exercise_bank(tmp_path):
 def test_a_check_that_never_ends_is_stopped_by_the_grader(tmp_path):
     import cloudpickle
 
-    from labkit.grading.grader import Options, score_collected
+    from labkit.grading.grader import Options, score_bank
 
     def forever():
         while True:
             pass
     collected = {"f": ("pickle", cloudpickle.dumps(forever)), "q_n": ("ok", 6)}
-    s = {x.id: x for x in score_collected(_exercise_bank(tmp_path), collected,
+    s = {x.id: x for x in score_bank(_exercise_bank(tmp_path), collected,
                                           Options(check_timeout=1))}
     assert s["91.ex"].status == "error" and "ran past 1 s and was stopped" in s["91.ex"].feedback
     assert s["91.n"].correct
@@ -357,7 +357,7 @@ def test_a_crafted_pickle_never_runs_code_in_the_grader(tmp_path):
 
     import cloudpickle
 
-    from labkit.grading.grader import Options, score_collected
+    from labkit.grading.grader import Options, score_bank
 
     marker = tmp_path / "ran"
 
@@ -366,7 +366,7 @@ def test_a_crafted_pickle_never_runs_code_in_the_grader(tmp_path):
             return (os.system, (f"echo $PPID >> {marker}",))
     evil = cloudpickle.dumps(Evil())
     collected = {"f": ("pickle", evil), "q_n": ("pickle", evil)}   # as an answer, too
-    s = {x.id: x for x in score_collected(_exercise_bank(tmp_path), collected,
+    s = {x.id: x for x in score_bank(_exercise_bank(tmp_path), collected,
                                           Options(check_timeout=5))}
     assert s["91.n"].status == "error" and "not plain data" in s["91.n"].feedback
     assert s["91.ex"].status == "wrong" and "must be a function" in s["91.ex"].feedback
