@@ -6,14 +6,12 @@ Notebooks use one import and a few verbs::
     res = lk.run(step, world_size=4)   # step(rank, world_size) on 4 real ranks
     res.values, res.stdout, res.wall_s
 
-The package's layout is the syllabus: :mod:`labkit.runtime` runs ranks and owns every process
-the lab starts; :mod:`labkit.grading` scores quizzes and exercises; :mod:`labkit.diagnosis`
-reads failed jobs; :mod:`labkit.common` holds what every lesson shares; then one subpackage
-per lesson, each with its content modules and a ``check.py`` for its exercise checkers:
-``parallelism`` (01), ``ddp`` (02), ``collectives`` (03), ``pitfalls`` (04), ``torchrun`` (05),
-``sharding`` (06), ``scaling`` (07), ``capstone`` (08).
-A lesson imports only the layers below it and earlier lessons' shared pieces, never a later
-lesson.
+The package's layout is the syllabus (:mod:`labkit.syllabus`: the lessons in order, one line
+each): :mod:`labkit.runtime` runs ranks and owns every process the lab starts;
+:mod:`labkit.grading` scores quizzes and exercises; :mod:`labkit.diagnosis` reads failed jobs;
+:mod:`labkit.common` holds what every lesson shares; then one subpackage per lesson, each with
+its content modules and a ``check.py`` for its exercise checkers. A lesson imports only the
+layers below it and earlier lessons' shared pieces, never a later lesson.
 
 Importing labkit is cheap: torch is imported by the ranks, and in the notebook only when a
 verb needs it. Lesson handles (``lk.ddp``, ``lk.quiz`` ...) load on first use. In a Jupyter
@@ -30,21 +28,10 @@ from .runtime import (MAX_WORLD_SIZE, BackendUnavailable, InvalidJob, JobFailed,
                       RemoteTraceback, ResultNotPicklable, UnsupportedPlatform, run, shutdown,
                       warmup)
 
+from .syllabus import handles as _handles
+
 # The notebooks' handles: ``lk.<handle>`` -> the module it names (loaded on first use).
-HANDLES = {
-    "quiz": "grading.quiz", "exercise": "grading.exercise",
-    "plots": "common.plots",
-    "parallelism": "parallelism",                                          # notebook 01
-    "ddp": "ddp", "overlap": "ddp.overlap",                                # notebook 02
-    "collectives": "collectives", "ringviz": "collectives.player",         # notebook 03
-    "bandwidth": "collectives.bandwidth",
-    "pitfalls": "pitfalls", "diagnosis": "diagnosis",                      # notebook 04
-    "nccl_capture": "pitfalls.nccl_capture",
-    "torchrun": "torchrun", "train": "torchrun.train",                     # notebook 05
-    "sharding": "sharding",                                                # notebook 06
-    "scaling": "scaling",                                                  # notebook 07
-    "capstone": "capstone",                                                # notebook 08
-}
+HANDLES = _handles()
 
 __all__ = ["run", "warmup", "shutdown", "diagnose", "JobResult", "RankResult", "MAX_WORLD_SIZE",
            "LabkitError", "InvalidJob", "UnsupportedPlatform", "BackendUnavailable", "JobFailed",

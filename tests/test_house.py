@@ -13,15 +13,15 @@ import nbformat
 import pytest
 
 import labkit as lk
+from labkit import syllabus
 from labkit.__main__ import BENCHMARKS, COMMANDS
 from labkit.grading.bank import all_banks, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "labkit"
-# The layers, bottom up; a module may import its own layer and the ones below it only.
-LAYERS = ["runtime", "common", "grading", "diagnosis", "parallelism", "ddp", "collectives",
-          "pitfalls", "torchrun", "sharding", "scaling", "capstone"]
-LESSONS = LAYERS[4:]
+# The layers, bottom up (labkit.syllabus); a module may import its own layer and the ones below.
+LAYERS = list(syllabus.LAYERS)
+LESSONS = [les.package for les in syllabus.LESSONS if les.package]
 
 
 def _modules() -> dict[str, Path]:
@@ -216,3 +216,25 @@ def test_every_test_file_named_in_docs_and_code_exists():
                   for path in re.findall(r"tests/[\w/]+\.py", text) if not (ROOT / path).exists()})
     assert not bad, "test files that do not exist:\n" + "\n".join(bad)
 
+
+
+def test_every_lesson_of_the_syllabus_has_its_notebook_solution_and_bank_and_nothing_else():
+    names = [les.notebook for les in syllabus.LESSONS]
+    assert names == sorted(names) and len({les.number for les in syllabus.LESSONS}) == len(names)
+    for folder, ext in (("notebooks", "ipynb"), ("solutions", "ipynb"), ("quizzes", "toml")):
+        assert sorted(p.stem for p in (ROOT / folder).glob(f"*.{ext}")) == names, folder
+    for les in syllabus.LESSONS:
+        assert les.package is None or (PKG / les.package / "__init__.py").is_file(), les
+        assert les.package is None or les.package in LAYERS
+
+
+def test_the_readme_maps_the_notebooks_in_the_syllabus_order():
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| \[(\d\d_\w+)\]\(notebooks/\1\.ipynb\)", readme, re.M)
+    assert rows == [les.notebook for les in syllabus.LESSONS]
+
+
+def test_the_face_hands_out_every_handle_of_the_syllabus():
+    assert lk.HANDLES == syllabus.handles()
+    for name, module in lk.HANDLES.items():
+        assert importlib.util.find_spec(f"labkit.{module}") is not None, (name, module)
