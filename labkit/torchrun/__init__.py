@@ -2,7 +2,7 @@
 
 * :mod:`~labkit.torchrun.train` — the lab's training script (a leaf: imports only torch and
   :mod:`labkit.common.checkpoints`):
-  one process or DDP under torchrun, snapshots, bit-identical resume (``# [ddp]`` marks the
+  one process or DDP under torchrun, snapshots, bit-identical resume (``# [dist]`` marks the
   DDP delta);
 * :mod:`~labkit.torchrun.ddp_spawn` / :mod:`~labkit.torchrun.ddp_torchrun` — one script
   started by ``mp.spawn``, then by torchrun: their diff is the lesson;

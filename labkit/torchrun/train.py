@@ -2,7 +2,7 @@
 
 Notebook 05 (torchrun and fault tolerance) ships this file. Like nanoGPT's
 ``train.py`` it runs unchanged as a single process or as DDP, and the DDP
-difference is small: every line that exists only for DDP ends in ``# [ddp]``
+difference is small: every line that exists only for DDP ends in ``# [dist]``
 (``grep -n "\\[ddp\\]" labkit/torchrun/train.py`` lists them). It trains a small MLP on
 a synthetic 3-class spiral data set generated deterministically (no download),
 shards it with ``DistributedSampler`` + ``set_epoch``, and logs on rank 0 only.
@@ -234,10 +234,10 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
     ``lk.run``), else as one process. Resumes from ``cfg.snapshot_dir`` if it
     holds a snapshot.
     """
-    ddp = dist.is_available() and dist.is_initialized()                        # [ddp]
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)  # [ddp]
+    ddp = dist.is_available() and dist.is_initialized()                        # [dist]
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)  # [dist]
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    cuda = dist.get_backend() == "nccl" if ddp else torch.cuda.is_available()  # [ddp]
+    cuda = dist.get_backend() == "nccl" if ddp else torch.cuda.is_available()  # [dist]
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -269,9 +269,9 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
     elif snap_dir and master:
         snap_dir.mkdir(parents=True, exist_ok=True)
     say(f"training on {device} ({world_size} rank{'s' * (world_size > 1)})")
-    if ddp:                                                                    # [ddp]
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # [ddp]
-    raw = model.module if ddp else model                                       # [ddp]
+    if ddp:                                                                    # [dist]
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # [dist]
+    raw = model.module if ddp else model                                       # [dist]
     total = cfg.epochs * (cfg.samples // cfg.batch_size)
 
     while epoch < cfg.epochs:
@@ -289,8 +289,8 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
             step, done = step + 1, done + cfg.batch_size
             if step % cfg.log_every == 0:
                 mean = loss.detach().clone()
-                if ddp:                                                        # [ddp]
-                    dist.all_reduce(mean)                                      # [ddp]
+                if ddp:                                                        # [dist]
+                    dist.all_reduce(mean)                                      # [dist]
                 if master:
                     print(_LOG.format(step=step, total=total, epoch=epoch,
                                       loss=mean.item() / world_size, attempt=attempt), flush=True)
@@ -309,8 +309,8 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
 
 def _snapshot(snaps, raw, opt, step, epoch, done, world_size, device, ddp, master, cfg) -> None:
     rngs = [None] * world_size
-    if ddp:                                                                    # [ddp]
-        dist.all_gather_object(rngs, _rng_state(device))   # every rank's RNG, kept by rank 0  # [ddp]
+    if ddp:                                                                    # [dist]
+        dist.all_gather_object(rngs, _rng_state(device))   # every rank's RNG, kept by rank 0  # [dist]
     else:
         rngs = [_rng_state(device)]
     if master:                                              # one writer; everyone reads it back
@@ -345,17 +345,17 @@ def parse_log(lines) -> list[tuple[int, float, int]]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: initialise the process group when launched by torchrun, train, tear down."""
     cfg = parse_args(argv)
-    torchrun = "RANK" in os.environ and not dist.is_initialized()              # [ddp]
-    if torchrun:                                                               # [ddp]
-        backend = "nccl" if torch.cuda.is_available() else "gloo"              # [ddp]
-        if backend == "nccl":                                                  # [ddp]
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))               # [ddp]
-        dist.init_process_group(backend)   # RANK, WORLD_SIZE, MASTER_* from torchrun  # [ddp]
+    torchrun = "RANK" in os.environ and not dist.is_initialized()              # [dist]
+    if torchrun:                                                               # [dist]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"              # [dist]
+        if backend == "nccl":                                                  # [dist]
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))               # [dist]
+        dist.init_process_group(backend)   # RANK, WORLD_SIZE, MASTER_* from torchrun  # [dist]
     try:
         train(cfg)
     finally:
-        if torchrun:                                                           # [ddp]
-            dist.destroy_process_group()                                       # [ddp]
+        if torchrun:                                                           # [dist]
+            dist.destroy_process_group()                                       # [dist]
 
 
 if __name__ == "__main__":
