@@ -42,7 +42,7 @@ from typing import Callable
 
 from ..common.checkpoints import problems
 from ..grading.exercise import Case, case
-from ..runtime.torchrun_log import Run
+from ..runtime.torchrun.log import Run
 from ..torchrun.runs import losses, resumes
 from . import _check_runs as R
 from .probes import read_evals, read_guarded, read_loads

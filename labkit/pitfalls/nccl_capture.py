@@ -11,7 +11,7 @@ Nothing is shown that did not come from such a run::
 The scenarios are the script :mod:`labkit.pitfalls.nccl_faults`, run under
 torchrun (:mod:`labkit.runtime.torchrun`) with ``NCCL_DEBUG=INFO``, the flight recorder
 on and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``. A capture file holds the header, every
-line of the job as :class:`labkit.runtime.torchrun_log.Run` records it (seconds since start,
+line of the job as :class:`labkit.runtime.torchrun.log.Run` records it (seconds since start,
 who printed it, the text), and a summary of each flight-recorder dump written.
 Stored captures live in ``labkit/captures/nccl/`` (committed with the lab).
 """

@@ -42,6 +42,7 @@ MARK = "LABKIT_TREE"     # "<outer mark>/<pid>.<hex>": one segment per tree, out
 _PR_SET_PDEATHSIG = 1
 _REAP_S = 5.0            # how long a SIGKILLed process may take to go, on a loaded machine
 _SWEEPS = 5              # a dying parent may still start a child: the sweep repeats
+_EXEC_S = 0.5            # how long a process seen mid-exec (no environment yet) is read again
 
 _lock = threading.Lock()
 _trees: dict[str, "Tree"] = {}   # the trees not stopped yet, in the order they were made
@@ -173,21 +174,60 @@ atexit.register(stop_all)
 
 
 def marked(tokens: str | Iterable[str]) -> list[psutil.Process]:
-    """Live (non-zombie) processes carrying one of these marks, or a mark inside one of them."""
+    """Live (non-zombie) processes carrying one of these marks, or a mark inside one of them.
+
+    A process in the middle of ``execve`` shows an empty environment for a moment (its parent's
+    ``Popen`` has already returned: the exec passed its point of no return), longer on a loaded
+    machine; such a process is read again for up to :data:`_EXEC_S` rather than missed."""
     wanted = [tokens] if isinstance(tokens, str) else list(tokens)
     if not wanted:
         return []
-    out = []
+
+    def ours(env: dict) -> bool:
+        mark = env.get(MARK)
+        return bool(mark) and any(mark == t or mark.startswith(t + "/") for t in wanted)
+
+    out, pending = [], []
     for p in psutil.process_iter():
-        try:
-            if p.pid == os.getpid() or p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            mark = p.environ().get(MARK)
-            if mark and any(mark == t or mark.startswith(t + "/") for t in wanted):
-                out.append(p)
-        except (psutil.Error, OSError):
+        env = _environ(p)
+        if env is None:
             continue
+        if env:
+            if ours(env):
+                out.append(p)
+        elif _userland(p):
+            pending.append(p)
+    end = time.monotonic() + _EXEC_S
+    while pending and time.monotonic() < end:
+        time.sleep(0.01)
+        still = []
+        for p in pending:
+            env = _environ(p)
+            if env and ours(env):
+                out.append(p)
+            elif env == {}:
+                still.append(p)
+        pending = still
     return out
+
+
+def _environ(p: psutil.Process) -> dict | None:
+    """A live process's environment ({} while it execs), None for this process, a zombie or
+    one that is gone or not ours to read."""
+    try:
+        if p.pid == os.getpid() or p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return p.environ()
+    except (psutil.Error, OSError):
+        return None
+
+
+def _userland(p: psutil.Process) -> bool:
+    """Not a kernel thread (those have no environment at all, and kthreadd, pid 2, as parent)."""
+    try:
+        return p.pid > 2 and p.ppid() != 2
+    except psutil.Error:
+        return False
 
 
 def _sweep(token: str) -> list[int]:

@@ -138,7 +138,7 @@ class JobResult:
         unless the job ran with ``trace=True``. Ranks that hung or died have no records."""
         if all(r.trace is None for r in self.ranks):
             return None
-        from .commview import CommTrace
+        from .commtrace.view import CommTrace
 
         return CommTrace([r.trace or [] for r in self.ranks],
                          [r.trace_dropped for r in self.ranks])

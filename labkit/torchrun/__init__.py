@@ -11,11 +11,11 @@
   quiz key.
 
 Launching torchrun from a notebook is the runtime's job (:mod:`labkit.runtime.torchrun`,
-:mod:`labkit.runtime.torchrun_function`); ``lk.torchrun`` hands those verbs on too.
+:mod:`labkit.runtime.torchrun.function`); ``lk.torchrun`` hands those verbs on too.
 """
 from ..runtime.torchrun import (AGENT_ENV, Job, Line, Run, TorchrunError, TorchrunFailed,
                                 TorchrunTimeout, command, launch, live_processes, run)
-from ..runtime.torchrun_function import FunctionRun, run_function
+from ..runtime.torchrun.function import FunctionRun, run_function
 from .check import reference
 from .runs import losses, plot_losses, resumes
 

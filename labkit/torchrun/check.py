@@ -3,7 +3,7 @@
 The exercise: turn a single-process training function into the ``main()`` of a torchrun DDP
 script. :func:`check_torchrun_exercise` (the bank's checker) launches the learner's
 ``train_ddp(epochs, batch_size, lr)`` with ``torchrun --nproc-per-node=2``
-(:func:`labkit.runtime.torchrun_function.run_function`) and compares every rank with an oracle:
+(:func:`labkit.runtime.torchrun.function.run_function`) and compares every rank with an oracle:
 one process training on the global batch, visiting the samples in
 ``DistributedSampler(shuffle=True, seed=0)`` order. A wrong answer is diagnosed against the
 usual mistakes (no ``set_epoch``, the global batch on every rank, a scaled learning rate, no
@@ -26,8 +26,8 @@ import math
 from ..grading.exercise import case
 from ..runtime import run
 from ..runtime.torchrun import TorchrunTimeout
-from ..runtime.torchrun_function import run_function
-from ..runtime.torchrun_log import Run
+from ..runtime.torchrun.function import run_function
+from ..runtime.torchrun.log import Run
 from .runs import resumes
 from .train import make_dataset, make_model, parse_args, train
 
@@ -120,7 +120,7 @@ def _watched(fn, kwargs: dict) -> dict:
     from torch.utils.data import DistributedSampler
 
     from ..grading.watch import last_record_id, recorded
-    from ..runtime.torchrun_function import _plain
+    from ..runtime.torchrun.function import _plain
 
     samplers: list[dict] = []
     init, iterate = DistributedSampler.__init__, DistributedSampler.__iter__

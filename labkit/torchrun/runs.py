@@ -2,7 +2,7 @@
 
 :mod:`labkit.torchrun.train`'s rank 0 logs ``step N/M | epoch E | loss L | attempt A`` and, after a
 restart, ``resumed from <snapshot>: step N, ...``. These functions read those lines out of a
-:class:`~labkit.runtime.torchrun_log.Run` (what ``lk.torchrun.run``/``job.wait()`` return) for
+:class:`~labkit.runtime.torchrun.log.Run` (what ``lk.torchrun.run``/``job.wait()`` return) for
 notebook 05 ("Launch it, crash it, kill it").
 
 Example::
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ..runtime.torchrun_log import Run
+from ..runtime.torchrun.log import Run
 from .train import parse_log
 
 __all__ = ["losses", "resumes", "plot_losses"]

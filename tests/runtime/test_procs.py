@@ -73,14 +73,38 @@ def test_a_tree_started_inside_a_tree_is_stopped_with_it():
              "print(t.token, p.pid, flush=True)\n"
              "time.sleep(120)\n")
     outer = procs.Tree("outer")
-    root = outer.start([sys.executable, "-c", inner], stdout=subprocess.PIPE, text=True)
-    token, pid = root.stdout.readline().split()
-    root.stdout.close()
-    assert token.startswith(outer.token + "/")                    # the inner mark extends it
-    assert int(pid) in {p.pid for p in outer.live()}
-    outer.stop()
+    try:
+        root = outer.start([sys.executable, "-c", inner], stdout=subprocess.PIPE, text=True)
+        token, pid = root.stdout.readline().split()
+        root.stdout.close()
+        assert token.startswith(outer.token + "/")                # the inner mark extends it
+        assert int(pid) in {p.pid for p in outer.live()}          # even if it is still exec'ing
+    finally:
+        outer.stop()
     assert _wait_for(lambda: not psutil.pid_exists(int(pid)) or
                      psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE)
+
+
+def test_a_process_seen_mid_exec_is_read_again(monkeypatch):
+    """Popen returns once the child's exec passed its point of no return, before the new
+    program's environment is set up: for that moment (long on a loaded machine) the child
+    shows no environment at all. marked() reads it again instead of missing it."""
+    class Execing:
+        pid, reads = 424242, 0
+
+        def status(self):
+            return psutil.STATUS_RUNNING
+
+        def ppid(self):
+            return 1
+
+        def environ(self):
+            self.reads += 1
+            return {} if self.reads < 3 else {procs.MARK: "outer/1.a"}
+
+    child = Execing()
+    monkeypatch.setattr(procs.psutil, "process_iter", lambda: iter([child]))
+    assert procs.marked("outer") == [child] and child.reads == 3
 
 
 def test_run_stops_the_tree_at_its_time_limit():

@@ -19,10 +19,10 @@ import torch
 
 import labkit as lk
 from labkit.torchrun import runs
-from labkit.runtime.torchrun_function import FunctionRun
+from labkit.runtime.torchrun.function import FunctionRun
 from labkit.torchrun import check as TC
 from labkit.torchrun import train as T
-from labkit.runtime.torchrun_log import parse_agent
+from labkit.runtime.torchrun.log import parse_agent
 from labkit.runtime.torchrun import (TorchrunError, TorchrunTimeout, command, launch,
                                      live_processes, run)
 

@@ -79,7 +79,7 @@ from typing import Any, Iterator
 
 __all__ = ["CommRecorder", "CommTrace", "KINDS", "FIELDS", "current", "label"]
 
-from .commview import CommTrace  # noqa: E402  (the notebook's side, re-exported here)
+from .view import CommTrace  # noqa: E402  (the notebook's side, re-exported here)
 
 KINDS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",

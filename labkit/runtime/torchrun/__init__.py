@@ -38,9 +38,9 @@ from typing import Callable
 
 import psutil
 
-from .errors import LabkitError
-from .procs import Tree, free_port, marked, marks, signal_all
-from .torchrun_log import Line, Run, parse_agent
+from ..errors import LabkitError
+from ..procs import Tree, free_port, marked, marks, signal_all
+from .log import Line, Run, parse_agent
 
 __all__ = ["launch", "run", "command", "Job", "Run", "Line", "TorchrunError", "TorchrunTimeout",
            "TorchrunFailed", "AGENT_ENV", "live_processes"]

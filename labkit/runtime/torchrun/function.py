@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .torchrun import TorchrunFailed, run
+from . import TorchrunFailed, run
 
 __all__ = ["run_function", "FunctionRun"]
 
