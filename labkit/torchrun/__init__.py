@@ -1,7 +1,7 @@
 """Notebook 05 — torchrun and fault tolerance: a training script that survives a crash.
 
-* :mod:`~labkit.torchrun.train` — the lab's training script (a leaf: imports only torch and
-  :mod:`labkit.common.checkpoints`):
+* :mod:`~labkit.torchrun.train` — the lab's training script (a leaf: imports only torch,
+  :mod:`labkit.common.checkpoints` and :mod:`labkit.common.elastic`):
   one process or DDP under torchrun, snapshots, bit-identical resume (``# [dist]`` marks the
   DDP delta);
 * :mod:`~labkit.torchrun.ddp_spawn` / :mod:`~labkit.torchrun.ddp_torchrun` — one script

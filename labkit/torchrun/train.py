@@ -3,7 +3,7 @@
 Notebook 05 (torchrun and fault tolerance) ships this file. Like nanoGPT's
 ``train.py`` it runs unchanged as a single process or as DDP, and the DDP
 difference is small: every line that exists only for DDP ends in ``# [dist]``
-(``grep -n "\\[ddp\\]" labkit/torchrun/train.py`` lists them). It trains a small MLP on
+(``grep -n "\\[dist\\]" labkit/torchrun/train.py`` lists them). It trains a small MLP on
 a synthetic 3-class spiral data set generated deterministically (no download),
 shards it with ``DistributedSampler`` + ``set_epoch``, and logs on rank 0 only.
 
@@ -53,14 +53,15 @@ import time
 from pathlib import Path
 
 import torch
-# Import torch._dynamo before the process group exists. DDP imports it on first use; on torch
-# 2.13.0, imported after init_process_group it keeps the group (and gloo's threads) alive past
-# destroy_process_group(), and the process can then crash as it exits (notebook 05, pitfalls).
-import torch._dynamo  # noqa: F401
-import torch.distributed as dist
+# Import torch._dynamo before the process group exists. DDP, FSDP2 and the first optimizer
+# step import it on first use; on torch 2.13.0, imported after init_process_group, it leaves
+# gloo's threads running after destroy_process_group(), and the process can then crash as
+# it exits (notebook 05, "Common pitfalls").
+import torch._dynamo  # noqa: F401  # [dist]
+import torch.distributed as dist  # [dist]
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import DistributedDataParallel as DDP  # [dist]
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ..common.checkpoints import Checkpoints, NoValidCheckpoint

@@ -229,10 +229,11 @@ THREADS_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(240)
 def test_dynamo_imported_after_the_group_keeps_it_alive_past_destroy(tmp_path):
-    """05 "Common pitfalls": “Imported after `init_process_group`, it keeps the process group and
-    gloo's threads alive after `destroy_process_group()`” and “then the group and its threads are
-    gone after `destroy_process_group()`”. Plain torchrun, no labkit; DDP imports torch._dynamo
-    on first use. When this test fails the leak is fixed: change 05's pitfall and the scripts."""
+    """05 "Common pitfalls": “When that import comes after `init_process_group`, gloo's threads
+    (`pt_gloo_runloop`, `gloo_tcp_loop`) are still running after `destroy_process_group()`” and
+    “then those threads are gone after `destroy_process_group()`”. Plain torchrun, no labkit;
+    DDP imports torch._dynamo when it wraps the model. When this test fails the leak is fixed:
+    change 05's pitfall and the scripts."""
     import torch
 
     def threads(env):
