@@ -227,8 +227,8 @@ def check_torchrun_exercise(fn) -> list:
     try:
         res = run_function(train_ddp_watched, kwargs=kw, nproc_per_node=world, timeout=LIMIT_S,
                            echo=False, env={"CUDA_VISIBLE_DEVICES": ""}, check=False)
-    except TorchrunTimeout:
-        res = None
+    except TorchrunTimeout as exc:
+        res, last = None, str(exc).partition("Last lines:")[2].strip() or "(none)"
     if res is not None and any(r.get("not_done") for r in res.reports):
         raise NotImplementedError(f"{fn.__name__} still raises NotImplementedError")
     reports = res.reports if res else []
@@ -238,7 +238,8 @@ def check_torchrun_exercise(fn) -> list:
     def runs():
         assert res is not None, (f"it did not finish within {LIMIT_S:.0f} s under torchrun: a "
                                  "deadlock? (a collective that only some ranks call, or "
-                                 "init_process_group waiting for ranks that never come)")
+                                 "init_process_group waiting for ranks that never come). Its "
+                                 f"last lines:\n{last}")
         for r in reports:
             assert r.get("error") is None, (f"rank {r['rank']} failed: "
                                             f"{r['error'].strip().splitlines()[-1]}")

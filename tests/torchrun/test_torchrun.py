@@ -269,6 +269,30 @@ def test_exercise_names_each_mistake():
         "shards the data and all-reduces the gradients"))
 
 
+def stuck(epochs=2, batch_size=64, lr=0.1):
+    """Deadlocks: rank 0 waits in a barrier that rank 1 never joins."""
+    import os
+    import time
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    print(f"rank {os.environ['RANK']} is in", flush=True)
+    if os.environ["RANK"] == "0":
+        dist.barrier()
+    time.sleep(600)
+
+
+def test_a_deadlocked_answer_fails_every_case_naming_the_limit_and_its_last_lines(monkeypatch):
+    from labkit.grading.exercise import evaluate
+
+    monkeypatch.setattr(TC, "LIMIT_S", 20.0)
+    s = evaluate("05.train_ddp", stuck)
+    assert s.cases and not any(c.passed for c in s.cases)
+    detail = s.cases[0].detail
+    assert "did not finish within 20 s" in detail and "rank 1 is in" in detail, detail
+    assert live_processes() == []
+
+
 def test_exercise_stub_is_not_done_without_launching(monkeypatch):
     from labkit.grading.exercise import evaluate
 

@@ -159,11 +159,11 @@ class Job:
                     line = self._q.get(timeout=min(0.2, max(0.0, end - time.monotonic())))
                 except queue.Empty:
                     if time.monotonic() >= end:
-                        self.stop()
+                        last = "\n".join(ln.format() for ln in self.lines[-8:])  # not the
+                        self.stop()                                 # agents' dying words
                         raise TorchrunTimeout(
                             f"torchrun did not finish within {timeout:.0f} s; all its processes "
-                            f"were killed. Last lines:\n" + "\n".join(
-                                ln.format() for ln in self.lines[-8:])) from None
+                            f"were killed. Last lines:\n{last}") from None
                     continue
                 if line is None:
                     self._eof += 1
