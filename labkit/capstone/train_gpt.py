@@ -66,11 +66,6 @@ import time
 from pathlib import Path
 
 import torch
-# Import torch._dynamo before the process group exists. DDP, FSDP2 and the first optimizer
-# step import it on first use; on torch 2.13.0, imported after init_process_group, it leaves
-# gloo's threads running after destroy_process_group(), and the process can then crash as
-# it exits (notebook 05, "Common pitfalls").
-import torch._dynamo  # noqa: F401  # [dist]
 import torch.distributed as dist  # [dist]
 from torch.nn.parallel import DistributedDataParallel as DDP  # [dist]
 from torch.utils.data import Dataset, Subset

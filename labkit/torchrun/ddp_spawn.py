@@ -8,12 +8,6 @@ import os
 import socket
 
 import torch
-# Import torch._dynamo before the process group exists. DDP, FSDP2 and the first optimizer
-# step import it on first use; on torch 2.13.0, imported after init_process_group, it leaves
-# gloo's threads running after destroy_process_group(), and the process can then crash as
-# it exits (notebook 05, "Common pitfalls").
-# (labkit.torchrun.train, imported below, does it too; a copy without labkit needs it.)
-import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F

@@ -174,7 +174,7 @@ def test_ddp_broadcasts_rank0_batchnorm_buffers_at_every_forward():
 
 
 DETAIL_SCRIPT = textwrap.dedent("""
-    import torch, torch._dynamo, torch.distributed as dist   # dynamo first: see the test below
+    import torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     dist.init_process_group("gloo")
     DDP(torch.nn.Linear(2, 2))
@@ -207,45 +207,6 @@ def test_ddp_construction_segfaults_under_detail_on_torch_2_13(tmp_path):
     assert detail.returncode != 0 and "SIGSEGV" in detail.stderr, (
         f"DDP under DETAIL no longer segfaults on torch {torch.__version__}: update notebook 04 "
         f"§3, its checklist item 5 and quiz 04.detail.\n{detail.stderr[-2000:]}")
-
-
-THREADS_SCRIPT = textwrap.dedent("""
-    import os, torch
-    if os.environ.get("DYNAMO_FIRST") == "1":
-        import torch._dynamo
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    dist.init_process_group("gloo")
-    model = DDP(torch.nn.Linear(2, 2))
-    model(torch.ones(1, 2)).sum().backward()
-    del model
-    dist.destroy_process_group()
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    gloo = sorted(n for n in names if n.startswith(("gloo", "pt_gloo")))
-    with open(os.path.join(os.environ["OUT_DIR"], "rank" + os.environ["RANK"]), "w") as f:
-        f.write(" ".join(gloo))
-""")
-
-
-@pytest.mark.timeout(240)
-def test_dynamo_imported_after_the_group_keeps_it_alive_past_destroy(tmp_path):
-    """05 "Common pitfalls": “When that import comes after `init_process_group`, gloo's threads
-    (`pt_gloo_runloop`, `gloo_tcp_loop`) are still running after `destroy_process_group()`” and
-    “then those threads are gone after `destroy_process_group()`”. Plain torchrun, no labkit;
-    DDP imports torch._dynamo when it wraps the model. When this test fails the leak is fixed:
-    change 05's pitfall and the scripts."""
-    import torch
-
-    def threads(env):
-        run = _torchrun(THREADS_SCRIPT, {**env, "OUT_DIR": str(tmp_path)}, tmp_path)
-        assert run.returncode == 0, run.stderr[-2000:]
-        return {r: (tmp_path / f"rank{r}").read_text().split() for r in (0, 1)}
-
-    assert torch.__version__.startswith("2.13.0")
-    after = threads({"DYNAMO_FIRST": "0"})
-    assert all("pt_gloo_runloop" in names and "gloo_tcp_loop" in names
-               for names in after.values()), after
-    assert threads({"DYNAMO_FIRST": "1"}) == {0: [], 1: []}
 
 
 def test_the_lab_says_what_these_tests_show():

@@ -3,8 +3,7 @@
 :func:`run_function` ships ``fn`` by value (cloudpickle) into a real script that
 ``torchrun --standalone --nproc-per-node=N`` starts (this module's ``__main__``), so it runs
 exactly as a file launched by torchrun would: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ... in
-the environment, no process group until the function makes one (and ``torch._dynamo``
-imported first, as the lab's scripts do: notebook 05, "Common pitfalls"). Each worker writes a report
+the environment, no process group until the function makes one. Each worker writes a report
 (its return value as CPU tensors, its error, its output) that comes back to the caller::
 
     res = run_function(train_ddp, kwargs={"epochs": 2, "batch_size": 32, "lr": 0.1})
@@ -118,8 +117,6 @@ def _worker(fn_path: str, out_dir: str) -> int:
     """One torchrun worker: load the function, call it, write a report for the parent."""
     import cloudpickle
     import torch
-
-    import torch._dynamo  # noqa: F401  (before the function's process group: see ddp_torchrun.py)
 
     rank = int(os.environ.get("RANK", "0"))
     report: dict = {"rank": rank, "error": None, "not_done": False, "value": None}
