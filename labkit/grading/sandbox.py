@@ -6,8 +6,8 @@ exercise (its function, under the bank's checker, which starts real ranks) or a 
 question (the bank's key, called on the notebook's inputs) — are scored here: one fresh
 process per submission (``python -m labkit.grading.sandbox REQUEST``) that loads the pickles
 and runs each check under a time limit (:func:`labkit.grading.scoring.score_objects`, the same
-path that scores plain answers in the grader), and writes each :class:`~labkit.grading.score.Score` back
-as JSON as soon as it is done. It runs in a process tree of its own
+path that scores plain answers in the grader), and writes each
+:class:`~labkit.grading.score.Score` back as JSON as soon as it is done. It runs in a process tree of its own
 (:func:`labkit.runtime.procs.run`): whatever is still running when it ends or runs past its
 limit (the process, its ranks) is killed.
 

@@ -228,7 +228,7 @@ def check_torchrun_exercise(fn) -> list:
         res = run_function(train_ddp_watched, kwargs=kw, nproc_per_node=world, timeout=LIMIT_S,
                            echo=False, env={"CUDA_VISIBLE_DEVICES": ""}, check=False)
     except TorchrunTimeout as exc:
-        res, last = None, str(exc).partition("Last lines:")[2].strip() or "(none)"
+        res, last = None, "\n".join(ln.format() for ln in exc.last) or "(none)"
     if res is not None and any(r.get("not_done") for r in res.reports):
         raise NotImplementedError(f"{fn.__name__} still raises NotImplementedError")
     reports = res.reports if res else []

@@ -62,7 +62,12 @@ class TorchrunError(LabkitError):
 
 
 class TorchrunTimeout(TorchrunError):
-    """The job ran past its time limit; every process of it has been killed."""
+    """The job ran past its time limit; every process of it has been killed. ``err.last`` holds
+    the job's last lines from before it was stopped."""
+
+    def __init__(self, msg: str, last: list[Line] | tuple = ()):
+        super().__init__(msg)
+        self.last = list(last)
 
 
 class TorchrunFailed(TorchrunError):
@@ -105,7 +110,7 @@ class Job:
     def __init__(self, cmds: list[list[str]], env: dict, cwd: str | None, echo: bool | str,
                  dirs: list[str] = ()):
         self.tree = Tree(_WHAT, dirs)          # the agents, their workers, anything they start
-        self.token, self.echo, self.cmds = self.tree.token, echo, cmds
+        self.echo, self.cmds = echo, cmds
         self.lines: list[Line] = []
         self.t0 = time.monotonic()
         self._q: queue.Queue = queue.Queue()
@@ -136,6 +141,11 @@ class Job:
         self._q.put(None)
 
     @property
+    def token(self) -> str:
+        """The mark every process of this job carries (:func:`live_processes` takes it)."""
+        return self.tree.token
+
+    @property
     def running(self) -> bool:
         return any(p.poll() is None for p in self.agents)
 
@@ -159,11 +169,12 @@ class Job:
                     line = self._q.get(timeout=min(0.2, max(0.0, end - time.monotonic())))
                 except queue.Empty:
                     if time.monotonic() >= end:
-                        last = "\n".join(ln.format() for ln in self.lines[-8:])  # not the
-                        self.stop()                                 # agents' dying words
+                        last = self.lines[-8:]      # before the stop: not the agents' dying words
+                        self.stop()
                         raise TorchrunTimeout(
                             f"torchrun did not finish within {timeout:.0f} s; all its processes "
-                            f"were killed. Last lines:\n{last}") from None
+                            f"were killed. Last lines:\n" + "\n".join(ln.format() for ln in last),
+                            last) from None
                     continue
                 if line is None:
                     self._eof += 1
