@@ -2,7 +2,8 @@
 
 Modules, one concept each (the script imports only torch, these,
 :mod:`labkit.common.checkpoints`, the rotation and verification notebook 05 teaches, and
-:mod:`labkit.common.elastic`, its ``@record``):
+:mod:`labkit.common.elastic`, its ``@record``, and :mod:`labkit.runtime.ending`, how a rank
+ends; plain Python, all three):
 
 * :mod:`.data` — the corpus (Python's standard library, as bytes) and the per-rank batches;
 * :mod:`.model` — a small byte-level GPT;

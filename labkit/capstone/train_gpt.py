@@ -72,6 +72,7 @@ from torch.utils.data import Dataset, Subset
 
 from ..common.checkpoints import Checkpoints, NoValidCheckpoint
 from ..common.elastic import record   # torch's @record; its error file written whole
+from ..runtime.ending import run_then_exit  # [dist]
 from .data import Windows, decode, encode, load_corpus, rank_batches
 from .evaluate import all_reduce_sums, evaluate
 from .model import GPTConfig, make_gpt
@@ -392,4 +393,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)   # main(), then os._exit: labkit/runtime/ending.py says why  # [dist]

@@ -14,6 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+from labkit.runtime.ending import run_then_exit
 from labkit.torchrun.train import make_dataset, make_model
 
 
@@ -55,4 +56,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)   # main(), then leave without the interpreter's teardown (ending.py)

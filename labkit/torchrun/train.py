@@ -38,9 +38,9 @@ often fail to connect (``Gloo connectFullMesh failed``).
 In Python: ``train(parse_args([...]))`` trains inside an already initialised
 process group; the lesson's ``lk.torchrun.reference([...], world_size=2)`` does that on
 warm lab ranks and returns the final parameters. This file imports only torch,
-:mod:`labkit.common.checkpoints` and :mod:`labkit.common.elastic` (plain Python; the second is
-torch's ``@record`` with its error file written whole): it is the leaf a learner copies into
-their own project, with those two files.
+:mod:`labkit.common.checkpoints`, :mod:`labkit.common.elastic` (torch's ``@record`` with its
+error file written whole) and :mod:`labkit.runtime.ending` (a rank's end without a gloo abort),
+plain Python all three: it is the leaf a learner copies into their own project, with them.
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ..common.checkpoints import Checkpoints, NoValidCheckpoint
 from ..common.elastic import record   # torch's @record; its error file written whole
+from ..runtime.ending import run_then_exit  # [dist]
 
 __all__ = ["make_dataset", "make_model", "parse_args", "train", "main",
            "ResumableSampler", "InjectedFault", "save_snapshot", "load_snapshot", "load_final",
@@ -355,4 +356,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)   # main(), then os._exit: labkit/runtime/ending.py says why  # [dist]

@@ -4,7 +4,11 @@ Each docstring quotes the sentence of the notebook it backs (see ``tests/claims/
 """
 from __future__ import annotations
 
+import inspect
+import json
+import subprocess
 import sys
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -126,6 +130,57 @@ def test_gloo_all_reduce_accepts_avg():
     """03 "6.4": “`op=dist.ReduceOp.AVG` divides inside the collective: NCCL has it (since NCCL
     2.10), and so does gloo on torch 2.13.0”."""
     assert lk.run(_average, 2, timeout=10, echo=False).values == [1.5, 1.5]
+
+
+_KEPT_ALIVE = """
+import gc, json, os, sys
+import torch
+import torch.distributed as dist
+if sys.argv[2] == "imported_first":
+    import torch.distributed.nn  # noqa: F401
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from torch.nn.parallel import DistributedDataParallel as DDP
+model = DDP(torch.nn.Linear(4, 2))
+model(torch.randn(3, 4)).sum().backward()
+import torch.distributed.nn.functional as fn
+held = any(isinstance(d, dist.ProcessGroup) for d in fn.all_reduce.__defaults__)
+del model
+dist.destroy_process_group()
+gc.collect()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(json.dumps({"held": held, "gloo_threads": sorted(n for n in names if "gloo" in n)}), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names in /proc")
+@pytest.mark.parametrize("order", ["after", "imported_first"])
+def test_ddp_keeps_the_world_group_alive_after_destroy_process_group(tmp_path, order):
+    """05 "Build it": “DDP keeps the world group alive after `destroy_process_group()`”, “the
+    first use of `torch._dynamo` after `init_process_group` imports
+    `torch.distributed.nn.functional`, whose default arguments hold `group.WORLD`”, “gloo's
+    worker threads may still be releasing the work of the last `backward()`”.
+
+    A fresh interpreter (``lk.run``'s ranks import torch._dynamo before any group exists, so
+    they cannot show it): after DDP and ``destroy_process_group()`` gloo's threads still run and
+    ``all_reduce``'s default ``group`` is the old world group; with ``torch.distributed.nn``
+    imported before the group, the same script ends with no gloo thread. The work of a
+    ``backward()`` carries the context that ``_engine_run_backward`` stashes in thread-local
+    state (a Python object: releasing it takes the GIL).
+    """
+    script = tmp_path / "kept.py"
+    script.write_text(_KEPT_ALIVE)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "store"), order],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    if order == "after":
+        assert seen == {"held": True,
+                        "gloo_threads": ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"]}
+    else:
+        assert seen == {"held": False, "gloo_threads": []}
+    import torch.autograd.graph as graph
+    assert '_stash_obj_in_tls("context"' in inspect.getsource(graph._engine_run_backward)
 
 
 def test_the_lab_says_what_these_tests_show():

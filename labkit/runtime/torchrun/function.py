@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..ending import exit_now
 from . import TorchrunFailed, run
 
 __all__ = ["run_function", "FunctionRun"]
@@ -142,7 +143,5 @@ def _worker(fn_path: str, out_dir: str) -> int:
     return 0 if report["error"] is None else 1
 
 
-
-
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], sys.argv[2]))
+    exit_now(_worker(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,75 @@
+"""How the lab's rank scripts end (``labkit/runtime/ending.py``): Python's exit codes and exit
+work, without the interpreter's teardown."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+_SCRIPT = """
+import atexit, logging, sys
+from labkit.runtime.ending import run_then_exit
+
+logging.basicConfig(filename=sys.argv[2], level=logging.INFO)
+atexit.register(lambda: print("atexit ran"))
+
+def main():
+    print("buffered, never flushed by main")
+    logging.info("logged")
+{body}
+
+run_then_exit(main)
+print("not reached")
+"""
+
+
+def _run(tmp_path, body):
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT.format(body=textwrap.indent(textwrap.dedent(body), "    ")))
+    log = tmp_path / "log.txt"
+    out = subprocess.run([sys.executable, str(script), "x", str(log)], capture_output=True,
+                         text=True, timeout=50)
+    return out, log.read_text() if log.exists() else ""
+
+
+@pytest.mark.parametrize("body, code, err", [
+    ("return None", 0, ""),
+    ("return 3", 3, ""),
+    ("sys.exit(4)", 4, ""),
+    ("sys.exit()", 0, ""),
+    ("sys.exit('bye')", 1, "bye"),
+    ("raise ValueError('bad value')", 1, "ValueError: bad value"),
+    ("raise KeyboardInterrupt", -signal.SIGINT, "KeyboardInterrupt"),
+])
+def test_a_script_ends_with_pythons_exit_code_and_its_exit_work_done(tmp_path, body, code, err):
+    out, log = _run(tmp_path, body)
+    assert out.returncode == code, out.stderr
+    assert err in out.stderr
+    if err.startswith(("ValueError", "KeyboardInterrupt")):
+        assert "Traceback (most recent call last)" in out.stderr
+    assert "buffered, never flushed by main" in out.stdout      # stdout is a pipe: buffered
+    assert "atexit ran" in out.stdout
+    assert "not reached" not in out.stdout
+    assert "INFO:root:logged" in log
+
+
+def test_exit_now_skips_the_interpreters_teardown(tmp_path):
+    """What the module is for: no finalization (an object's __del__ at teardown never runs)."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        from labkit.runtime.ending import exit_now
+        class Finalized:
+            def __del__(self):
+                print("finalized")
+        kept = Finalized()
+        print("ending")
+        exit_now(5)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=50)
+    assert (out.returncode, out.stdout) == (5, "ending\n")
