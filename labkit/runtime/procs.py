@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,6 +32,7 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Iterable
 
 import psutil
@@ -268,10 +270,35 @@ def _alive_pid(pid: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (for a rendezvous endpoint)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on ``host`` now, that no one but another explicit choice will take.
+
+    A port from ``bind(0)`` comes from the kernel's ephemeral range, which every outgoing
+    connection and every other ``bind(0)`` (a standalone torchrun's store, gloo's pairs) draws
+    from too: between our probe and the rendezvous' own bind it can be handed out again. So the
+    port is drawn at random below that range (``/proc/sys/net/ipv4/ip_local_port_range``),
+    where the kernel never assigns one, and probed before it is returned.
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(_FIRST_CHOSEN_PORT, low) if low > _FIRST_CHOSEN_PORT + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host} below {low} after 200 tries")
+
+
+_FIRST_CHOSEN_PORT = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768                         # Linux's default, and close to other systems'
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -167,6 +168,25 @@ def test_kept_lists_live_pids_of_live_trees_only():
 _PRIMITIVES = re.compile(r"subprocess\.(Popen|run|call|check_call|check_output)\(|"
                          r"atexit\.register\(|os\.killpg\(|psutil\.wait_procs\(|"
                          r"\.send_signal\(|os\.fork\(|os\.waitpid\(")
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_never_one_in_use(monkeypatch):
+    """The rendezvous port is drawn where the kernel hands out no port (outgoing connections
+    and bind(0) take theirs from the ephemeral range), and a port in use is skipped."""
+    low = procs._ephemeral_low()
+    ports = {procs.free_port() for _ in range(20)}
+    assert all(procs._FIRST_CHOSEN_PORT <= p < low for p in ports), (ports, low)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        monkeypatch.setattr(procs, "_FIRST_CHOSEN_PORT", taken)
+        monkeypatch.setattr(procs, "_ephemeral_low", lambda: taken + 1001)
+        draws, real = [taken, taken], procs.random.SystemRandom.randrange
+        monkeypatch.setattr(procs.random.SystemRandom, "randrange",
+                            lambda self, a, b: draws.pop() if draws else real(self, a, b))
+        port = procs.free_port()
+        assert draws == [] and port != taken and taken < port < taken + 1001
 
 
 def test_no_module_but_procs_starts_stops_or_reaps_processes_its_own_way():
