@@ -73,3 +73,44 @@ def test_exit_now_skips_the_interpreters_teardown(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=50)
     assert (out.returncode, out.stdout) == (5, "ending\n")
+
+
+@pytest.mark.parametrize("ending", ["python", "run_then_exit"])
+def test_threads_finish_hooks_report_and_a_failed_flush_is_120_as_in_python(tmp_path, ending):
+    """What the interpreter does before it finalizes, done the same way: a non-daemon thread
+    and a pending executor job finish, the exception goes through sys.excepthook, and a
+    standard stream that cannot be flushed (/dev/full) makes the exit code 120."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, threading, time
+        from concurrent.futures import ThreadPoolExecutor
+        from pathlib import Path
+        from labkit.runtime.ending import run_then_exit
+        out = Path(sys.argv[1])
+
+        def late(name):
+            time.sleep(0.3)
+            (out / name).write_text("done")
+
+        def main():
+            threading.Thread(target=late, args=("thread",)).start()
+            ThreadPoolExecutor(1).submit(late, "executor")
+            sys.excepthook = lambda *exc: print("HOOK", exc[0].__name__, file=sys.stderr)
+            if sys.argv[2] == "full":
+                sys.stdout = open("/dev/full", "w")
+                print("lost")
+            raise ValueError("x")
+
+        if {ending == "python"!r}:
+            main()
+        else:
+            run_then_exit(main)
+    """))
+    for stdout, code in (("ok", 1), ("full", 120)):
+        out = subprocess.run([sys.executable, str(script), str(tmp_path), stdout],
+                             capture_output=True, text=True, timeout=50)
+        assert out.returncode == code, out.stderr
+        assert "HOOK ValueError" in out.stderr
+        assert (tmp_path / "thread").read_text() == "done"
+        assert (tmp_path / "executor").read_text() == "done"
+        (tmp_path / "thread").unlink(), (tmp_path / "executor").unlink()
