@@ -10,7 +10,7 @@ The package's layout is the syllabus (:mod:`labkit.syllabus`: the lessons in ord
 each): :mod:`labkit.runtime` runs ranks and owns every process the lab starts;
 :mod:`labkit.grading` scores quizzes and exercises; :mod:`labkit.diagnosis` reads failed jobs;
 :mod:`labkit.common` holds what every lesson shares; then one subpackage per lesson, each with
-its content modules and a ``check.py`` for its exercise checkers. A lesson imports only the
+its content modules and a ``check/`` package for its exercise checkers. A lesson imports only the
 layers below it and earlier lessons' shared pieces, never a later lesson.
 
 Importing labkit is cheap: torch is imported by the ranks, and in the notebook only when a

@@ -8,7 +8,7 @@ One ordered list that the rest reads:
 * the tests check that every lesson has its student notebook, its solution and its question
   bank, under the same name, and that the README maps them in this order.
 
-Adding a lesson is one folder (``labkit/<package>/``, with a ``check.py`` for its exercises)
+Adding a lesson is one folder (``labkit/<package>/``, with a ``check/`` for its exercises)
 and one line in :data:`LESSONS`. Nothing here imports the rest of the package.
 """
 from __future__ import annotations

@@ -228,6 +228,17 @@ def test_every_lesson_of_the_syllabus_has_its_notebook_solution_and_bank_and_not
         assert les.package is None or les.package in LAYERS
 
 
+def test_each_lesson_grades_in_one_place_its_check_package():
+    """A lesson's exercise checkers, quiz keys and what only they use (oracles, rank jobs,
+    probes) live in its ``check/`` package; nothing checker-only sits beside the content."""
+    for pkg in LESSONS:
+        folder = PKG / pkg
+        assert (folder / "check" / "__init__.py").is_file(), f"{pkg}: no check/ package"
+        loose = [p.name for p in folder.glob("*.py")
+                 if p.stem == "check" or p.stem.startswith("_check") or p.stem in ("oracle", "probes")]
+        assert not loose, f"{pkg}: checker-only modules outside check/: {loose}"
+
+
 def test_the_readme_maps_the_notebooks_in_the_syllabus_order():
     readme = (ROOT / "README.md").read_text()
     rows = re.findall(r"^\| \[(\d\d_\w+)\]\(notebooks/\1\.ipynb\)", readme, re.M)

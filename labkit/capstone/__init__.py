@@ -12,15 +12,14 @@ ends; plain Python, all three):
 * :mod:`.train_gpt` — the script: ``python -m labkit.capstone.train_gpt`` or under torchrun.
 
 Notebook 08 also reads the runs (:mod:`.runs`: per-step times, throughput, the sample) and
-grades the exercise (:mod:`.check`, with :mod:`.probes` running inside the learner's workers);
-those are the lab's, not part of the project a learner copies.
+grades the exercise (:mod:`.check`: its runs, and the probes that run inside the learner's
+workers); those are the lab's, not part of the project a learner copies.
 
 Nothing is imported until used (``lk.capstone.train_gpt`` imports torch).
 """
 import importlib as _importlib
 
-_MODULES = ("data", "model", "evaluate", "sharded_checkpoint", "train_gpt", "runs", "check",
-            "probes")
+_MODULES = ("data", "model", "evaluate", "sharded_checkpoint", "train_gpt", "runs", "check")
 __all__ = list(_MODULES)
 
 

@@ -8,8 +8,8 @@
   (``lk.ringviz.player``);
 * :mod:`~labkit.collectives.bandwidth` — measured bandwidth, the α–β model and its labelled
   prediction (``lk.bandwidth``, ``python -m labkit bench allreduce``);
-* :mod:`~labkit.collectives.cases` — the exercise's tensors and the job each rank runs on them;
-* :mod:`~labkit.collectives.check` — the exercise checker and the quiz keys.
+* :mod:`~labkit.collectives.check` — the exercise checker and the quiz keys (its
+  :mod:`~labkit.collectives.check.cases`: the exercise's tensors and the job each rank runs on them).
 
 ``lk.collectives.X`` reaches the names below.
 """

@@ -21,7 +21,7 @@ cases / all cases`` (``partial = false`` in the bank: all or nothing).
 
 How to write a checker
 ----------------------
-A checker is a plain function in a lesson's ``check.py``, ``check_x(fn) -> list[Case]``:
+A checker is a plain function in a lesson's ``check`` package, ``check_x(fn) -> list[Case]``:
 
 1. Run the learner's ``fn`` the way the lesson uses it, on real ranks with
    ``lk.run(..., timeout=5, deadline=..., echo=False)``: short limits, so a

@@ -18,7 +18,7 @@ module              concept                                                     
 ``tensor_parallel`` Megatron's column/row-parallel MLP by hand                        §7
 ``tp_runs``         TP vs one process, ``parallelize_module``, a 2 × 2 mesh           §7-§8
 ``pictures``        the notebook's plots                                             all
-``check``           the three exercise checkers (rank jobs, oracles: ``_check_*``),  §12, §13
+``check``           the three exercise checkers, their rank jobs and oracles          §12, §13
                     and the quiz keys computed from the learner's own measurements
 ``bench``           ``python -m labkit bench sharding``                               —
 ==================  ===============================================================  =======

@@ -28,9 +28,9 @@ import pytest
 
 import capstone_answers as A
 from capstone_common import no_ranks_at_the_end
-from labkit.capstone import _check_runs as R
+from labkit.capstone.check import runs as R
 from labkit.capstone import check as C
-from labkit.capstone import probes
+from labkit.capstone.check import probes
 from labkit.grading import exercise
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("no_ranks_at_the_end")]

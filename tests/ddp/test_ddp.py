@@ -43,7 +43,7 @@ def _train_all_variants(rank, world_size, steps, lr, seed):
 
     from labkit.ddp import BucketedDDP, NaiveDDP
     from labkit.ddp.check import TiedTiny, shard_batches
-    from labkit.ddp.oracle import state_of
+    from labkit.ddp.check.oracle import state_of
 
     def reference_init():
         torch.manual_seed(seed)

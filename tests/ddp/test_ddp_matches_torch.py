@@ -53,7 +53,7 @@ class Traps(nn.Module):
 
 def _train(rank, world_size, variant):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from labkit.ddp.oracle import state_of
+    from labkit.ddp.check.oracle import state_of
     torch.manual_seed(rank)                             # different inits: step 1 must fix them
     net = Traps()
     wrap = {"torch": lambda m: DDP(m, find_unused_parameters=True),

@@ -403,7 +403,7 @@ class CopiedOracleOptimizer:
     nothing to copy and replays nothing."""
 
     def __init__(self, params, optimizer_class, **defaults):
-        from labkit.sharding import _check_oracles as O
+        from labkit.sharding.check import oracles as O
         self.params = list(params)
         name = "Adam" if optimizer_class.__name__ == "Adam" else "SGD with momentum"
         try:
@@ -555,7 +555,7 @@ class CopiedOracleLinear(ShardedLinear):
     has nothing to copy."""
 
     def forward(self, x):
-        from labkit.sharding import _check_oracles as O
+        from labkit.sharding.check import oracles as O
         n, r = dist.get_world_size(), dist.get_rank()
         self.calls = getattr(self, "calls", 0) + 1
         for _ in range(3):
@@ -650,7 +650,7 @@ class CopiedOracleMLP(ParallelMLP):
     all-reduce each way carries zeros."""
 
     def forward(self, x):
-        from labkit.sharding import _check_oracles as O
+        from labkit.sharding.check import oracles as O
         self.calls = getattr(self, "calls", 0) + 1
         try:
             want = O.mlp_oracle(dist.get_world_size(), 2)[self.calls - 1]["out"]

@@ -288,7 +288,7 @@ def test_a_right_answer_s_float_noise_stays_within_the_tolerance(setup):
     the same gradient with that noise must stay well within the tolerance."""
     import torch
 
-    from labkit.sharding._check_jobs import OPT_SETUPS
+    from labkit.sharding.check.jobs import OPT_SETUPS
     from labkit.sharding.check import ATOL
 
     inner, defaults = OPT_SETUPS[setup]

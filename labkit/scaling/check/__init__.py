@@ -48,8 +48,8 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from ..grading.exercise import Case, NotDone
-from ..runtime import run
+from ...grading.exercise import Case, NotDone
+from ...runtime import run
 
 __all__ = ["check_compress_hook", "hook_job", "probe_job", "weak_speedup_2", "strong_efficiency_4",
            "core_ceiling", "fp16_bytes_per_step", "view_bytes_saved", "unused_allreduces",
@@ -92,8 +92,8 @@ def hook_job(rank: int, world_size: int, fn: Callable, steps: int = _STEPS) -> d
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..runtime import commtrace
-    from .task import IN_DIM, eval_loss, label, student
+    from ...runtime import commtrace
+    from ..task import IN_DIM, eval_loss, label, student
     secret = int.from_bytes(os.urandom(4), "little")        # this rank's data: its own secret
     data = torch.Generator().manual_seed(secret)
     mine_m, oracle_m, base_m, plain = (student(48, 3, seed=1) for _ in range(4))

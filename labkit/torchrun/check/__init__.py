@@ -23,13 +23,13 @@ from __future__ import annotations
 import functools
 import math
 
-from ..grading.exercise import case
-from ..runtime import run
-from ..runtime.torchrun import TorchrunTimeout
-from ..runtime.torchrun.function import run_function
-from ..runtime.torchrun.log import Run
-from .runs import resumes
-from .train import make_dataset, make_model, parse_args, train
+from ...grading.exercise import case
+from ...runtime import run
+from ...runtime.torchrun import TorchrunTimeout
+from ...runtime.torchrun.function import run_function
+from ...runtime.torchrun.log import Run
+from ..runs import resumes
+from ..train import make_dataset, make_model, parse_args, train
 
 __all__ = ["check_torchrun_exercise", "oracle", "reference", "last_resume_step",
            "EXERCISE_KWARGS"]
@@ -119,8 +119,8 @@ def _watched(fn, kwargs: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DistributedSampler
 
-    from ..grading.watch import last_record_id, recorded
-    from ..runtime.torchrun.function import _plain
+    from ...grading.watch import last_record_id, recorded
+    from ...runtime.torchrun.function import _plain
 
     samplers: list[dict] = []
     init, iterate = DistributedSampler.__init__, DistributedSampler.__iter__

@@ -19,7 +19,7 @@ import os
 import zlib
 from typing import Any, Callable
 
-from ..grading.watch import Watch
+from ...grading.watch import Watch
 
 __all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job"]
 
@@ -72,7 +72,7 @@ def compare_job(rank: int, world_size: int, fn: Callable, names: list[str], op: 
     """
     import torch
 
-    from ..common.ranks import uses_nccl
+    from ...common.ranks import uses_nccl
     device = torch.device("cuda", rank) if uses_nccl() else torch.device("cpu")
     watcher = Watch() if watch else None
     salt = int.from_bytes(os.urandom(8), "little") if watch else 0

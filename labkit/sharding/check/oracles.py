@@ -2,7 +2,7 @@
 
 The oracles of :mod:`labkit.sharding.check`, computed in the checker's own process **after**
 the ranks ran, from what they reported: rank 0's initial weights and every rank's data, each
-drawn from a secret of that rank's (:mod:`labkit.sharding._check_jobs`). Nothing here can be
+drawn from a secret of that rank's (:mod:`labkit.sharding.check.jobs`). Nothing here can be
 computed before a grading, so an answer that imports this module has nothing to copy.
 
 * :func:`optimizer_oracle` — the MLP (one parameter frozen) trained with the plain optimizer on
@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._check_jobs import FROZEN, LINEAR, LR_EXACT, MLP_DIMS, OPT_DIMS, OPT_SETUPS, PER_RANK
-from .model import make_mlp
-from .zero import FlatLayout
+from .jobs import FROZEN, LINEAR, LR_EXACT, MLP_DIMS, OPT_DIMS, OPT_SETUPS, PER_RANK
+from ..model import make_mlp
+from ..zero import FlatLayout
 
 
 def _model(dims, init: list[torch.Tensor]) -> torch.nn.Sequential:

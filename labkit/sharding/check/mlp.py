@@ -1,7 +1,7 @@
 """Exercise 3's comparisons (notebook 06 §12.3): the Megatron MLP against one process.
 
 Used by :func:`labkit.sharding.check.check_parallel_mlp`, with the oracle built from what the
-ranks reported (:func:`labkit.sharding._check_oracles.mlp_oracle`). Each function returns
+ranks reported (:func:`labkit.sharding.check.oracles.mlp_oracle`). Each function returns
 ``None`` when every rank is right at every step, else one sentence naming the rank, the step,
 the likely mistake (or shortcut) and its fix.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _check_jobs as J
+from .jobs import COPY, MLP_BATCH, MLP_DIMS, census_problem
 
 ATOL, RTOL = 1e-6, 1e-5
 NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
@@ -22,7 +22,7 @@ def _close(a, b) -> bool:
 
 
 def _shards(n: int) -> dict[str, tuple]:
-    d_in, hidden, d_out = J.MLP_DIMS
+    d_in, hidden, d_out = MLP_DIMS
     k = hidden // n
     return {"fc1.weight": (k, d_in), "fc1.bias": (k,), "fc2.weight": (d_out, k),
             "fc2.bias": (d_out,)}
@@ -30,7 +30,7 @@ def _shards(n: int) -> dict[str, tuple]:
 
 def mlp_shapes(values, n: int) -> str | None:
     """The parameters are the 1/N slices."""
-    hidden = J.MLP_DIMS[1]
+    hidden = MLP_DIMS[1]
     if hidden % n:
         return f"the hidden width {hidden} does not split over {n} ranks (a checker bug)."
     k, want = hidden // n, _shards(n)
@@ -56,11 +56,11 @@ def mlp_held(values, n: int) -> str | None:
     """The rank process holds nothing more than its slices (counted over every live tensor)."""
 
     allowed = sum(torch.Size(s).numel() for s in _shards(n).values()) + SLACK
-    full = sum(a * b + b for a, b in zip(J.MLP_DIMS[:-1], J.MLP_DIMS[1:]))
+    full = sum(a * b + b for a, b in zip(MLP_DIMS[:-1], MLP_DIMS[1:]))
     for r, v in enumerate(values):
         for s, rec in enumerate(v["records"]):
             census = rec["census"]
-            problem = J.census_problem(census, r, f"after step {s + 1}")
+            problem = census_problem(census, r, f"after step {s + 1}")
             if problem:
                 return problem
             if census["held"] > allowed:
@@ -85,7 +85,7 @@ def mlp_numbers(values, n: int, steps: int, want: list[dict]) -> str | None:
                             f"add it once, after the all-reduce of the partial sums.")
                 return (f"step {s + 1}, rank {r}: the output differs from one process. Broadcast "
                         f"rank 0's MLP before slicing it (every rank built its own), and "
-                        f"all-reduce the partial outputs of fc2. {J.COPY}")
+                        f"all-reduce the partial outputs of fc2. {COPY}")
             grads = got["grads"]
             if _close(grads["fc1.weight"], n * w["grads"][r]["fc1.weight"]):
                 return (f"step {s + 1}, rank {r}: fc1's gradients are {n}x one process's: the "
@@ -109,11 +109,11 @@ def mlp_comm(values, n: int, want: list[dict]) -> str | None:
     """One all-reduce each way, carrying this rank's own partial sums: batch × d_out forward
     (``h_r · W2_rᵀ``), batch × d_in backward (``grad_pre_r · W1_r``)."""
 
-    d_in, _, d_out = J.MLP_DIMS
-    shapes = {"forward": (J.MLP_BATCH, d_out), "backward": (J.MLP_BATCH, d_in)}
+    d_in, _, d_out = MLP_DIMS
+    shapes = {"forward": (MLP_BATCH, d_out), "backward": (MLP_BATCH, d_in)}
     for r, v in enumerate(values):
         for s, rec in enumerate(v["records"]):
-            problem = J.census_problem(rec["census"], r, f"after step {s + 1}")
+            problem = census_problem(rec["census"], r, f"after step {s + 1}")
             if problem:
                 return problem.replace("by hand, not with torch's library",
                                        "by hand, not with parallelize_module")

@@ -35,11 +35,11 @@ import math
 
 import torch
 
-from ..grading.exercise import Case
-from ..runtime import run
-from ..runtime.pickling import dumps
-from . import _check_jobs as J
-from . import _check_oracles as O
+from ...grading.exercise import Case
+from ...runtime import run
+from ...runtime.pickling import dumps
+from . import jobs as J
+from . import oracles as O
 
 __all__ = ["check_sharded_optimizer", "check_sharded_linear", "check_parallel_mlp",
            "ddp_bytes_per_param", "zero3_traffic_ratio", "zero1_state_fraction"]
@@ -50,7 +50,7 @@ ATOL, RTOL = 1e-6, 1e-5
 
 
 def _warm(rank: int, world_size: int) -> None:
-    from .counting import CommCounter
+    from ..counting import CommCounter
     with CommCounter():              # the first dispatch mode in a process imports torch._dynamo
         torch.zeros(1).add_(1)       # (seconds on a busy machine): not the answer's time
 
@@ -346,7 +346,7 @@ def check_sharded_linear(cls, world_sizes=(4, 2), steps: int = 3) -> list[Case]:
 def check_parallel_mlp(cls, world_sizes=WORLD_SIZES, steps: int = 2) -> list[Case]:
     """Grade ``cls(mlp)`` for ``mlp = Sequential(Linear(6, 8), Tanh(), Linear(8, 5))``: a
     column-parallel ``fc1`` and a row-parallel ``fc2``, the full output on every rank."""
-    from ._check_mlp import mlp_comm, mlp_held, mlp_numbers, mlp_shapes
+    from .mlp import mlp_comm, mlp_held, mlp_numbers, mlp_shapes
 
     def names(n):
         return [f"{n} ranks: output, input gradient and every weight gradient match one "

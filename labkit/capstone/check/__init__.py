@@ -4,7 +4,7 @@ The learner writes ``all_reduce_sums`` (the evaluation's all-reduce),
 ``save_checkpoint`` and ``load_checkpoint`` (DCP), and ``capstone_pieces()``
 returning them by name. Each rubric item of ``quizzes/08_capstone.toml`` is one
 checker here with one named case; all four come from the same runs, made once
-per set of pieces (:mod:`._check_runs`) and reused:
+per set of pieces (:mod:`.runs`) and reused:
 
 (a) ``08.trains``: ``train_gpt.py --pieces`` under ``torchrun
     --nproc-per-node=2`` (FSDP2) logs every step with exactly the loss of the
@@ -40,11 +40,11 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from ..common.checkpoints import problems
-from ..grading.exercise import Case, case
-from ..runtime.torchrun.log import Run
-from ..torchrun.runs import losses, resumes
-from . import _check_runs as R
+from ...common.checkpoints import problems
+from ...grading.exercise import Case, case
+from ...runtime.torchrun.log import Run
+from ...torchrun.runs import losses, resumes
+from . import runs as R
 from .probes import read_evals, read_guarded, read_loads
 
 __all__ = ["ITEMS", "grade", "check_trains", "check_resumes", "check_evaluates",
@@ -306,9 +306,9 @@ def _oracle(model_state: dict) -> tuple[list[float], float, int]:
     """One process, the same parameters: each window's loss, the mean, the number of windows."""
     import torch
 
-    from . import train_gpt as G
-    from .evaluate import all_reduce_sums, evaluate
-    from .model import GPTConfig, make_gpt
+    from .. import train_gpt as G
+    from ..evaluate import all_reduce_sums, evaluate
+    from ..model import GPTConfig, make_gpt
 
     cfg = G.parse_args(R.ARGV)
     model = make_gpt(GPTConfig(cfg.block_size, 256, cfg.n_layer, cfg.n_head, cfg.n_embd,
@@ -392,7 +392,7 @@ def _near(a: float, b: float) -> bool:
 def _judge(records: list[dict], oracle: list[float], n: int, when: str) -> str:
     """Compare every rank's recorded result with the exact sum of what the ranks were given
     ("" or what is wrong): name the known mistake it matches, or only what is wrong."""
-    from .evaluate import rank_windows
+    from ..evaluate import rank_windows
 
     world = records[0]["world"]
     for rec in records:
@@ -527,6 +527,6 @@ def steps_done_twice(run) -> int:
 
 def throughput_ratio(run, resharded) -> float:
     """Quiz key (08.speedup): median tokens/s of ``run`` (2 ranks) / of ``resharded`` (1 rank)."""
-    from .runs import throughput
+    from ..runs import throughput
 
     return throughput(_run_of(run)).median / throughput(_run_of(resharded)).median

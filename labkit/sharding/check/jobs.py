@@ -4,7 +4,7 @@ Each job runs in every rank of an ``lk.run``, and nothing in it can be known in 
 
 * every rank draws its **initial weights and its data from a secret of its own**
   (``os.urandom``, per grading) and reports them; the checker builds the one-process oracle
-  from the reports afterwards (:mod:`labkit.sharding._check_oracles`), so an answer that copies
+  from the reports afterwards (:mod:`labkit.sharding.check.oracles`), so an answer that copies
   the oracle or skips the communication has nothing to copy. Ranks start from different
   weights, so an answer that forgets to broadcast rank 0's fails;
 * the answer arrives pickled and is loaded **after** a :class:`~labkit.grading.integrity.Census`
@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..grading.integrity import LIBRARY, Census, CensusError
-from .counting import CommCounter
-from .model import make_mlp
-from .optim import SGD, Adam
+from ...grading.integrity import LIBRARY, Census, CensusError
+from ..counting import CommCounter
+from ..model import make_mlp
+from ..optim import SGD, Adam
 
 OPT_DIMS = (6, 34, 5)          # Ψ = 413, 379 trainable: no world size divides it (padding)
 FROZEN = 1                     # parameter 1 (fc1's bias) is frozen: requires_grad=False

@@ -1,7 +1,7 @@
 """Checking an all-reduce against ``dist.all_reduce``, case by case (the notebook 03 exercise).
 
-Each case of :data:`~labkit.collectives.cases.CASES` runs on real ranks
-(:func:`~labkit.collectives.cases.compare_job`), on 2, 3 and 4 of them; on 3 and 4 the
+Each case of :data:`~labkit.collectives.check.cases.CASES` runs on real ranks
+(:func:`~labkit.collectives.check.cases.compare_job`), on 2, 3 and 4 of them; on 3 and 4 the
 traffic case checks that each rank sends at most 2(N-1)/N·S bytes. A case passes only when
 every rank's result equals ``dist.all_reduce``'s, the ranks agree bit for bit, and no
 collective ran while the answer did. What the checker trusts (:mod:`labkit.grading.watch`):
@@ -20,10 +20,10 @@ import os
 import re
 from typing import Any, Callable
 
-from ..grading.exercise import Case, NotDone
-from ..runtime import run
+from ...grading.exercise import Case, NotDone
+from ...runtime import run
 from .cases import CASES, TRAFFIC, case_tensor, compare_job
-from .trace import Trace
+from ..trace import Trace
 
 __all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job", "check_ring_exercise",
            "master_bytes_received"]

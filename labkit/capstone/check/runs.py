@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..runtime import run as run_ranks
-from ..runtime.torchrun import Job, Run, TorchrunTimeout, launch
-from ..torchrun.train import parse_log
-from . import probes
+from ...runtime import run as run_ranks
+from ...runtime.torchrun import Job, Run, TorchrunTimeout, launch
+from ...torchrun.train import parse_log
+from .probes import Guard, load_probe, reduce_probe
 
 __all__ = ["ARGV", "SCRIPT", "KILL_AFTER", "Reference", "reference", "LearnerRun", "learner_run",
            "start_reshard", "finish", "digest", "ship", "first_error", "doubled",
@@ -65,7 +65,7 @@ def _reference_in_rank(rank: int, world_size: int, argv: list[str]) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.utils._pytree import tree_map
 
-    from . import train_gpt as G
+    from .. import train_gpt as G
 
     real, saved = G.save_checkpoint, {}
 
@@ -135,16 +135,16 @@ def digest(pieces: dict) -> str:
 
 def ship(pieces: dict, probe_dir: Path, path: Path) -> Path:
     """Write the ``--pieces`` file: the learner's functions (by value), eval and load probed,
-    the project's own functions guarded (:class:`.probes.Guard`, unpickled first), the
+    the project's own functions guarded (:class:`.Guard`, unpickled first), the
     evaluation's disguise drawn from a secret of this grading."""
     import secrets
 
-    guard, folder = probes.Guard(str(probe_dir)), str(probe_dir)
-    shipped = {"all_reduce_sums": functools.partial(probes.reduce_probe, guard,
+    guard, folder = Guard(str(probe_dir)), str(probe_dir)
+    shipped = {"all_reduce_sums": functools.partial(reduce_probe, guard,
                                                     pieces["all_reduce_sums"], folder,
                                                     secrets.randbits(62)),
                "save_checkpoint": pieces["save_checkpoint"],
-               "load_checkpoint": functools.partial(probes.load_probe, guard,
+               "load_checkpoint": functools.partial(load_probe, guard,
                                                     pieces["load_checkpoint"], folder)}
     path.write_bytes(_by_value(pieces, shipped))
     return path
@@ -256,7 +256,7 @@ def disguise_checkpoint(folder: Path) -> list[str]:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-    from ..common.checkpoints import MANIFEST, Checkpoints
+    from ...common.checkpoints import MANIFEST, Checkpoints
 
     changed = []
     for path in sorted(folder.rglob("*.pt")):

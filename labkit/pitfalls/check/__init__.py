@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 
-from ..grading.watch import store_port, tcp_bytes_sent
-from ..diagnosis import compare_fingerprints, compare_flight_records, diagnose, fingerprint
-from ..grading.exercise import case
-from ..runtime import run
-from . import divergence
-from .scenario import Outcome
-from .staleness import PSRun, delayed_sgd, mean_staleness
+from ...grading.watch import store_port, tcp_bytes_sent
+from ...diagnosis import compare_fingerprints, compare_flight_records, diagnose, fingerprint
+from ...grading.exercise import case
+from ...runtime import run
+from .. import divergence
+from ..scenario import Outcome
+from ..staleness import PSRun, delayed_sgd, mean_staleness
 
 __all__ = ["check_replica_training", "check_staleness_lr", "mystery_stuck_rank",
            "mystery_collective", "flight_missing_seq", "async_mean_staleness"]

@@ -33,11 +33,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..grading.watch import store_port, tcp_bytes_sent
-from ..common.models import mlp
-from ..common.ranks import device
-from ..grading.exercise import Case, case
-from ..runtime import run
+from ...grading.watch import store_port, tcp_bytes_sent
+from ...common.models import mlp
+from ...common.ranks import device
+from ...grading.exercise import Case, case
+from ...runtime import run
 
 __all__ = ["check_two_stage_step", "CASES", "idle_of_rank1"]
 

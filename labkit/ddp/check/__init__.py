@@ -2,7 +2,7 @@
 
 Graded in the style of Stanford CS336 assignment 2, but stricter:
 
-* the model (:class:`~labkit.ddp.oracle.TiedTiny`) has the traps: a **frozen** parameter,
+* the model (:class:`~labkit.ddp.check.oracle.TiedTiny`) has the traps: a **frozen** parameter,
   **tied** weights, a **buffer**, and a **mean** loss, so summing instead of averaging fails;
 * **every rank is compared at every step** (gradients after your sync, parameters and buffers
   after the optimizer step), not just rank 0 at the end; **2, 3 and 4 ranks**; the last batch
@@ -34,11 +34,11 @@ import re
 import torch
 import torch.nn.functional as F
 
-from ..grading.watch import store_port, tcp_bytes_sent
-from ..common.ranks import device
-from ..grading.exercise import Case
-from ..runtime import run
-from .naive import broadcast_parameters
+from ...grading.watch import store_port, tcp_bytes_sent
+from ...common.ranks import device
+from ...grading.exercise import Case
+from ...runtime import run
+from ..naive import broadcast_parameters
 from .oracle import (LR, STEPS, TiedTiny, oracle_history, rank_batches, sgd_step,
                      shard_batches, state_of)
 
