@@ -13,16 +13,12 @@ from __future__ import annotations
 import os
 import re
 
-from ..runtime.result import RankResult
+from ..runtime.result import RankResult, error_kind
 from ..runtime.stacks import Frame, parse_stack, where_stuck
 from .verdict import RankFinding
 
 __all__ = ["finding", "tb_frames", "short_error"]
 
-_ECHOES = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe",
-           "Connection refused", "failed to pass monitoredBarrier, but received errors",
-           "received errors while waiting")
-_TIMEOUTS = ("Timed out waiting", "timed out", "Socket Timeout", "Timeout waiting")
 _TORCH = os.sep + "torch" + os.sep
 _TB_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+), in (?P<func>.+)$')
 
@@ -59,9 +55,7 @@ def finding(r: RankResult) -> RankFinding:
                            if frames else None, _user_at(frames))
     frames = tb_frames(r.traceback or "")
     err = (r.error or "").strip()
-    state = ("echo" if any(e in err for e in _ECHOES) else
-             "timed out" if any(t in err for t in _TIMEOUTS) else "raised")
-    return RankFinding(r.rank, state, short_error(err), _collective(frames),
+    return RankFinding(r.rank, error_kind(err), short_error(err), _collective(frames),
                        _user_where(frames, _tb_sources(r.traceback or "")), _user_at(frames))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RankResult", "JobResult", "STATUSES"]
+__all__ = ["RankResult", "JobResult", "STATUSES", "ECHOES", "TIMEOUTS", "error_kind"]
 
 STATUSES = {
     "ok": "returned a value",
@@ -62,8 +62,20 @@ class RankResult:
         return f"rank {self.rank} returned {self.value!r:.60}"
 
 
-_TIMEOUTS = ("Timed out waiting", "timed out", "Socket Timeout")
-_ECHOES = ("Connection closed", "Connection reset by peer", "Read error", "Broken pipe")
+# What a rank's error says about it: a peer vanished under it (an echo of someone else's
+# failure), or a collective ran out of time. The runner's ordering below and the diagnosis
+# (labkit.diagnosis.findings) read errors with these two lists and nothing else.
+ECHOES = ("Connection closed", "Connection reset by peer", "Read error", "Broken pipe",
+          "Connection refused", "failed to pass monitoredBarrier, but received errors",
+          "received errors while waiting")
+TIMEOUTS = ("Timed out waiting", "timed out", "Socket Timeout", "Timeout waiting")
+
+
+def error_kind(error: str) -> str:
+    """``"echo"`` (a peer's failure seen from here), ``"timed out"``, or ``"raised"``."""
+    if any(e in error for e in ECHOES):
+        return "echo"
+    return "timed out" if any(t in error for t in TIMEOUTS) else "raised"
 
 
 def _cause_order(r: RankResult) -> int:
@@ -73,10 +85,7 @@ def _cause_order(r: RankResult) -> int:
     if r.status in ("exited", "signaled"):
         return 0
     if r.status in ("raised", "unpicklable"):
-        error = r.error or ""
-        if any(e in error for e in _ECHOES):
-            return 3
-        return 2 if any(e in error for e in _TIMEOUTS) else 1
+        return {"echo": 3, "timed out": 2, "raised": 1}[error_kind(r.error or "")]
     return 4
 
 

@@ -294,7 +294,8 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
             if done == cfg.samples:
                 epoch, done = epoch + 1, 0
             if snaps and cfg.snapshot_every and step % cfg.snapshot_every == 0:
-                _snapshot(snaps, raw, opt, step, epoch, done, world_size, device, ddp, master, cfg)
+                _snapshot(snaps, raw, opt, cfg, step=step, epoch=epoch, done=done,
+                          world_size=world_size, device=device, ddp=ddp, master=master)
             if cfg.step_delay:
                 time.sleep(cfg.step_delay)
     params = {k: v.detach().cpu().clone() for k, v in raw.state_dict().items()}
@@ -304,7 +305,10 @@ def train(cfg: argparse.Namespace) -> dict[str, torch.Tensor]:
     return params
 
 
-def _snapshot(snaps, raw, opt, step, epoch, done, world_size, device, ddp, master, cfg) -> None:
+def _snapshot(snaps, raw, opt, cfg, *, step: int, epoch: int, done: int, world_size: int,
+              device: torch.device, ddp: bool, master: bool) -> None:
+    """Save model, optimizer, every rank's RNG and the position (``step``, ``epoch``, ``done``
+    samples of it) in one snapshot; rank 0 writes it, the others send it their RNG."""
     rngs = [None] * world_size
     if ddp:                                                                    # [dist]
         dist.all_gather_object(rngs, _rng_state(device))   # every rank's RNG, kept by rank 0  # [dist]
