@@ -254,6 +254,28 @@ def sloppy(epochs=2, batch_size=64, lr=0.1):
     return model
 
 
+def _late_store_reader():
+    """Rank 1 reads from the TCPStore rank 0's process hosts, a second after rank 0 returned."""
+    import time
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set("late", "read")
+        return "set"                    # the group left to the worker to destroy
+    time.sleep(1.0)
+    return store.get("late").decode()
+
+
+def test_rank_0_hosting_the_store_outlives_the_other_ranks_functions():
+    """The lab's jobs run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0's worker hosts the
+    TCPStore, so it must neither destroy a group left to it nor end (os._exit) while another
+    rank's function still reads from the store."""
+    from labkit.runtime.torchrun.function import run_function
+    assert run_function(_late_store_reader, timeout=120, echo=False).values == ["set", "read"]
+
+
 def test_exercise_names_each_mistake():
     from labkit.torchrun.check import check_torchrun_exercise
 

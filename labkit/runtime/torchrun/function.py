@@ -16,6 +16,7 @@ import io
 import os
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,9 +139,28 @@ def _worker(fn_path: str, out_dir: str) -> int:
     tmp = Path(out_dir) / f"rank{rank}.pt.tmp"
     torch.save(report, tmp)
     os.replace(tmp, Path(out_dir) / f"rank{rank}.pt")
+    if rank == 0:
+        _outlive_the_others(Path(out_dir), int(os.environ.get("WORLD_SIZE", "1")))
     if report["pg_left"]:
         dist.destroy_process_group()
     return 0 if report["error"] is None else 1
+
+
+def _outlive_the_others(out_dir: Path, world_size: int) -> None:
+    """Rank 0 leaves last: the lab's torchrun jobs run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    so rank 0's process hosts the job's TCPStore for as long as its group lives (a group the
+    function did not destroy, or one DDP keeps alive: labkit/portable/ending.py), and a rank
+    still reading from it would lose it if rank 0 destroyed the group or ended first. Every rank
+    writes its report when its function has returned; a rank that dies instead makes the agent
+    stop the group, this wait included. One that leaves without a report and without failing
+    (``os._exit(0)`` in the function) is waited for ``OUTLIVE_S`` seconds at most."""
+    end = time.monotonic() + OUTLIVE_S
+    while time.monotonic() < end and not all((out_dir / f"rank{r}.pt").exists()
+                                             for r in range(world_size)):
+        time.sleep(0.02)
+
+
+OUTLIVE_S = 30.0
 
 
 if __name__ == "__main__":
