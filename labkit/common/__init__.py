@@ -5,6 +5,7 @@
 * :mod:`~labkit.common.timeline` — spans measured inside ranks, on one time axis;
 * :mod:`~labkit.common.plots` — every picture of the lab (``lk.plots``);
 * :mod:`~labkit.common.progress` — progress bars for anything longer than a few seconds;
+* :mod:`~labkit.common.tables` — every measured table, printed from one list of columns;
 * :mod:`~labkit.common.checkpoints` — keep the last K checkpoints, prove each whole, fall back
   (notebook 05's script and notebook 08's capstone);
 * :mod:`~labkit.common.elastic` — their ``@record``: torch's, with the error file written whole.
