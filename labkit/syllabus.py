@@ -35,9 +35,10 @@ class Lesson:
         return self.notebook[:2]
 
 
-# The engine, lowest layer first: it runs ranks and owns processes, holds what every lesson
-# shares, grades, and reads failed jobs. Every lesson may use all of it.
-ENGINE = ("runtime", "common", "grading", "diagnosis")
+# The engine, lowest layer first: the plain files the learner's projects take with them, then
+# what runs ranks and owns processes, holds what every lesson shares, grades, and reads failed
+# jobs. Every lesson may use all of it.
+ENGINE = ("portable", "runtime", "common", "grading", "diagnosis")
 ENGINE_HANDLES = {"quiz": "grading.quiz", "exercise": "grading.exercise", "plots": "common.plots"}
 
 LESSONS = (

@@ -4,10 +4,10 @@
     python -m labkit export capstone DEST   # notebook 08's GPT: DDP or FSDP2, DCP checkpoints
 
 Inside the lab the projects are modules of the package (``labkit/torchrun/train.py``;
-``labkit/capstone/`` less its lab-side ``runs.py`` and ``check/``) that import three small
-plain-Python files of the lab (:data:`SUPPORT`). ``export`` writes the project's files and those
-three side by side into ``DEST`` with their package imports made plain (``from ..common.elastic
-import record`` becomes ``from elastic import record``), so the folder runs on its own with
+``labkit/capstone/`` less its lab-side ``runs.py`` and ``check/``) that import the three small
+plain-Python files of :mod:`labkit.portable` (:data:`SUPPORT`). ``export`` writes the project's files and those
+three side by side into ``DEST`` with their package imports made plain (``from
+..portable.elastic import record`` becomes ``from elastic import record``), so the folder runs on its own with
 torch alone: ``torchrun --nproc-per-node=2 DEST/train.py`` (``tests/common/test_projects.py``
 runs both exports with no ``labkit`` importable).
 """
@@ -21,8 +21,9 @@ from pathlib import Path
 __all__ = ["PROJECTS", "SUPPORT", "export", "main"]
 
 _PKG = Path(__file__).resolve().parents[1]
-# What every project imports from the lab: plain Python, nothing of labkit (tested).
-SUPPORT = ("common/checkpoints.py", "common/elastic.py", "runtime/ending.py")
+# What every project imports from the lab: labkit/portable/, plain Python (tested).
+SUPPORT = tuple(f"portable/{p.name}" for p in sorted((_PKG / "portable").glob("*.py"))
+                if p.name != "__init__.py")
 PROJECTS = {
     "train": ("notebook 05's training script: one process or DDP under torchrun, snapshots, "
               "bit-identical resume", ("torchrun/train.py",)),
