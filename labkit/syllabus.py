@@ -43,7 +43,7 @@ ENGINE_HANDLES = {"quiz": "grading.quiz", "exercise": "grading.exercise", "plots
 
 LESSONS = (
     Lesson("00_setup", None),
-    Lesson("01_data_vs_model_parallelism", "parallelism", {"parallelism": "parallelism"}),
+    Lesson("01_data_vs_model_parallelism", "data_vs_model", {"data_vs_model": "data_vs_model"}),
     Lesson("02_ddp_step_by_step", "ddp", {"ddp": "ddp", "overlap": "ddp.overlap"}),
     Lesson("03_ring_allreduce", "collectives", {"collectives": "collectives",
                                                 "ringviz": "collectives.player",
