@@ -2,6 +2,7 @@
 
     python -m labkit grade SUBMISSION...       # auto-grade notebooks (labkit.grading.grader)
     python -m labkit students [--check] [NN]   # student notebooks from solutions/ (labkit.grading.students)
+    python -m labkit export PROJECT DEST       # a project of the lab, as a folder of its own
     python -m labkit bench NAME [options]      # benchmarks that print tables (see `bench` alone)
     python -m labkit nccl-capture [SCENARIO]   # record real NCCL failure logs on a GPU machine
 
@@ -17,6 +18,7 @@ import sys
 COMMANDS = {
     "grade": ("labkit.grading.grader", "auto-grade submitted notebooks"),
     "students": ("labkit.grading.students", "generate student notebooks from solutions/"),
+    "export": ("labkit.common.projects", "write notebook 05's or 08's project into a folder"),
     "bench": (None, "benchmarks that print tables (run `bench` alone for the list)"),
     "nccl-capture": ("labkit.pitfalls.nccl_capture", "record real NCCL failure logs (GPU)"),
 }

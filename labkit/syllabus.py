@@ -35,14 +35,15 @@ class Lesson:
         return self.notebook[:2]
 
 
-# The engine, lowest layer first: it runs ranks and owns processes, holds what every lesson
-# shares, grades, and reads failed jobs. Every lesson may use all of it.
-ENGINE = ("runtime", "common", "grading", "diagnosis")
+# The engine, lowest layer first: the plain files the learner's projects take with them, then
+# what runs ranks and owns processes, holds what every lesson shares, grades, and reads failed
+# jobs. Every lesson may use all of it.
+ENGINE = ("portable", "runtime", "common", "grading", "diagnosis")
 ENGINE_HANDLES = {"quiz": "grading.quiz", "exercise": "grading.exercise", "plots": "common.plots"}
 
 LESSONS = (
     Lesson("00_setup", None),
-    Lesson("01_data_vs_model_parallelism", "parallelism", {"parallelism": "parallelism"}),
+    Lesson("01_data_vs_model_parallelism", "data_vs_model", {"data_vs_model": "data_vs_model"}),
     Lesson("02_ddp_step_by_step", "ddp", {"ddp": "ddp", "overlap": "ddp.overlap"}),
     Lesson("03_ring_allreduce", "collectives", {"collectives": "collectives",
                                                 "ringviz": "collectives.player",

@@ -1,8 +1,8 @@
 """Lesson 08, the capstone: a small GPT trained under torchrun that survives failures, shards, and proves itself.
 
 Modules, one concept each (the script imports only torch, these,
-:mod:`labkit.common.checkpoints`, the rotation and verification notebook 05 teaches, and
-:mod:`labkit.common.elastic`, its ``@record``, and :mod:`labkit.runtime.ending`, how a rank
+:mod:`labkit.portable.checkpoints`, the rotation and verification notebook 05 teaches, and
+:mod:`labkit.portable.elastic`, its ``@record``, and :mod:`labkit.portable.ending`, how a rank
 ends; plain Python, all three):
 
 * :mod:`.data` — the corpus (Python's standard library, as bytes) and the per-rank batches;

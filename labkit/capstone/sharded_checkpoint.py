@@ -21,7 +21,7 @@ collectives):
 What does not reshard: each rank's RNG state (one stream per rank, so there
 is nothing to give a 3rd and 4th rank) is saved under ``rng/rank<r>`` and
 restored only when the world size is unchanged. Step, data position and
-config travel in the checkpoint's manifest (:mod:`labkit.common.checkpoints`).
+config travel in the checkpoint's manifest (:mod:`labkit.portable.checkpoints`).
 
 Resumed on the SAME number of ranks, a run is bit-identical to one that never
 stopped: same values, same RNG streams, same data (the data position is the

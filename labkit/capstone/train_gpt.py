@@ -14,7 +14,7 @@ with gradient accumulation (``--grad-accum``; DDP's ``no_sync()``, FSDP2's
 rank 0 only, evaluates on every rank (``evaluate.py``: exactly the
 one-process number), and writes sharded checkpoints with
 torch.distributed.checkpoint (``sharded_checkpoint.py``) that are rotated and
-verified (:mod:`labkit.common.checkpoints`): a run restarted after a crash or a SIGKILL ends
+verified (:mod:`labkit.portable.checkpoints`): a run restarted after a crash or a SIGKILL ends
 bit-identical to one that never failed; a checkpoint written by 2 ranks loads
 on 1 or 4 (the parameters exactly; see "Resharding" in notebook 08 for what
 cannot be bit-identical and why). At the end rank 0 writes ``final.pt`` (all
@@ -70,9 +70,9 @@ import torch.distributed as dist  # [dist]
 from torch.nn.parallel import DistributedDataParallel as DDP  # [dist]
 from torch.utils.data import Dataset, Subset
 
-from ..common.checkpoints import Checkpoints, NoValidCheckpoint
-from ..common.elastic import record   # torch's @record; its error file written whole
-from ..runtime.ending import run_then_exit  # [dist]
+from ..portable.checkpoints import Checkpoints, NoValidCheckpoint
+from ..portable.elastic import record   # torch's @record; its error file written whole
+from ..portable.ending import run_then_exit  # [dist]
 from .data import Windows, decode, encode, load_corpus, rank_batches
 from .evaluate import all_reduce_sums, evaluate
 from .model import GPTConfig, make_gpt
@@ -393,4 +393,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_then_exit(main)   # main(), then os._exit: labkit/runtime/ending.py says why  # [dist]
+    run_then_exit(main)   # main(), then os._exit: labkit/portable/ending.py says why  # [dist]

@@ -29,6 +29,8 @@ import sys
 from typing import Iterable
 
 from ..common.progress import progress as progress_bar
+from ..common.tables import Col
+from ..common.tables import table as text_table
 from ..runtime import run
 
 __all__ = ["measure", "table", "ratios", "plot", "fit", "predict", "at_scale", "scale_table",
@@ -154,14 +156,16 @@ def table(rows: list[dict]) -> str:
     """The measurements as a text table, with the ring's time relative to dist.all_reduce."""
     ref = {(r["world_size"], r["bytes"]): r["time_s"] for r in rows
            if r["impl"] == "dist.all_reduce"}
-    out = [f"{'ranks':>5}  {'size':>8}  {'impl':<16} {'time ms':>9} {'algbw GB/s':>11} "
-           f"{'busbw GB/s':>11} {'x dist':>7}"]
-    for r in rows:
+
+    def rel(r: dict) -> str:
         base = ref.get((r["world_size"], r["bytes"]))
-        rel = f"{r['time_s'] / base:.2f}" if base else "-"
-        out.append(f"{r['world_size']:>5}  {fmt_bytes(r['bytes']):>8}  {r['impl']:<16} "
-                   f"{r['time_s'] * 1e3:>9.3f} {r['algbw']:>11.3f} {r['busbw']:>11.3f} {rel:>7}")
-    return "\n".join(out)
+        return f"{r['time_s'] / base:.2f}" if base else "-"
+    return text_table([Col("ranks", "world_size", ">5"),
+                       Col("size", lambda r: fmt_bytes(r["bytes"]), ">8"),
+                       Col("impl", "impl", "<16"),
+                       Col("time ms", lambda r: r["time_s"] * 1e3, ">9.3f"),
+                       Col("algbw GB/s", "algbw", ">11.3f"), Col("busbw GB/s", "busbw", ">11.3f"),
+                       Col("x dist", rel, ">7")], rows)
 
 
 def ratios(rows: list[dict], impl: str = "ring", world_size: int = 2,
@@ -277,17 +281,18 @@ def at_scale(gpus: Iterable[int] = (8, 16, 64, 256, 1024),
 
 def scale_table(rows: list[dict]) -> str:
     """:func:`at_scale` rows as text, headed MODEL PREDICTION, with the figures used."""
-    out = ["MODEL PREDICTION (alpha-beta model with published link speeds; not measured)",
-           f"{'GPUs':>5}  {'size':>8}  {'ring ms':>9}  {'tree ms':>9}  link"]
-    for r in rows:
-        out.append(f"{r['gpus']:>5}  {fmt_bytes(r['bytes']):>8}  {r['ring_s'] * 1e3:>9.3f}  "
-                   f"{r['tree_s'] * 1e3:>9.3f}  {r['link']}")
-    out += [f"  {v['name']}: {v['bandwidth'] / 1e9:g} GB/s per direction ({v['source']}); "
-            f"alpha = {v['alpha'] * 1e6:g} us per step (assumed)" for v in LINKS.values()]
-    out.append("  beyond 8 GPUs the ring's channels use every NIC of a node: min(NVLink, 8 NICs)"
-               " = 400 GB/s per GPU (assumed: 8 GPUs and 8 NICs per node, NCCL's channels"
-               " spread evenly)")
-    return "\n".join(out)
+    below = [f"  {v['name']}: {v['bandwidth'] / 1e9:g} GB/s per direction ({v['source']}); "
+             f"alpha = {v['alpha'] * 1e6:g} us per step (assumed)" for v in LINKS.values()]
+    below.append("  beyond 8 GPUs the ring's channels use every NIC of a node: min(NVLink, 8 "
+                 "NICs) = 400 GB/s per GPU (assumed: 8 GPUs and 8 NICs per node, NCCL's "
+                 "channels spread evenly)")
+    return text_table([Col("GPUs", "gpus", ">5"),
+                       Col("size", lambda r: fmt_bytes(r["bytes"]), ">8"),
+                       Col("ring ms", lambda r: r["ring_s"] * 1e3, ">9.3f"),
+                       Col("tree ms", lambda r: r["tree_s"] * 1e3, ">9.3f"),
+                       Col("link", "link", "<")], rows, sep="  ", below=below,
+                      above=["MODEL PREDICTION (alpha-beta model with published link speeds; "
+                             "not measured)"])
 
 
 def plot_scale(rows: list[dict]):

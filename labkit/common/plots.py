@@ -163,7 +163,7 @@ def per_rank(values: Sequence[float], title: str = "", ylabel: str = "") -> plt.
 def replica_drift(independent: dict, data_parallel: dict) -> plt.Figure:
     """Checksums per rank over training steps, and the largest distance between two replicas.
 
-    Both arguments are results of :func:`labkit.parallelism.replica_drift`.
+    Both arguments are results of :func:`labkit.data_vs_model.replica_drift`.
     """
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.4), layout="constrained")
     for r, sums in enumerate(independent["checksums"]):

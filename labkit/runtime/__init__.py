@@ -11,8 +11,6 @@ The core of ``lk.run``, at this level:
 * :mod:`~labkit.runtime.procs` — the one owner of the lab's processes: every process tree the
   lab starts (ranks, torchrun jobs, grading kernels, checker processes) is started, found and
   stopped there;
-* :mod:`~labkit.runtime.ending` — how a process that ran gloo collectives ends (the
-  torchrun scripts, their workers): with its exit code, never a teardown abort;
 * :mod:`~labkit.runtime.bench` — launch latency, measured.
 
 Two wings built on it:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from ..common.progress import progress as progress_bar
+from ..common.tables import Col, table
 from ..runtime import run
 from .timing import JOB_DEADLINE
 
@@ -113,14 +114,13 @@ def diverged(losses) -> bool:
 
 
 def lr_table(runs: dict) -> str:
-    lines = [f"{'run':<52} {'global batch':>12} {'steps':>6} {'final train loss':>17} "
-             f"{'held-out loss':>14}"]
-    for name, r in runs.items():
-        tail = r["losses"][-1]
-        fmt = (lambda v: f"{v:.4f}" if math.isfinite(v) and v < 1e6 else "diverged")
-        lines.append(f"{name:<52} {r['global_batch']:>12} {r['steps']:>6} {fmt(tail):>17} "
-                     f"{fmt(r['eval']):>14}")
-    return "\n".join(lines)
+    def fmt(v: float) -> str:
+        return f"{v:.4f}" if math.isfinite(v) and v < 1e6 else "diverged"
+    return table([Col("run", "name", "<52"), Col("global batch", "global_batch", ">12"),
+                  Col("steps", "steps", ">6"),
+                  Col("final train loss", lambda r: fmt(r["losses"][-1]), ">17"),
+                  Col("held-out loss", lambda r: fmt(r["eval"]), ">14")],
+                 [{"name": name, **r} for name, r in runs.items()])
 
 
 def plot_lr_runs(runs: dict):

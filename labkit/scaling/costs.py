@@ -37,6 +37,7 @@ import statistics
 
 from ..collectives.bandwidth import fmt_bytes
 from ..common.progress import progress as progress_bar
+from ..common.tables import Col, table
 from ..runtime import run
 from .timing import JOB_DEADLINE, slowest_runs
 
@@ -156,16 +157,17 @@ def cost_rows(rows: list[dict], link: dict[int, dict] | None = None) -> list[dic
 def cost_table(rows: list[dict]) -> str:
     """Measured vs model for every row, with algbw/busbw (nccl-tests conventions)."""
     link = fit_link(rows)
-    lines = ["each collective on gloo: median of the slowest rank; model = alpha-beta formula "
+    above = ["each collective on gloo: median of the slowest rank; model = alpha-beta formula "
              "with alpha, beta fitted to this world size's all-reduce (a MODEL)"]
-    lines += [f"  {n} ranks: alpha = {f['alpha'] * 1e6:.0f} us/step, " + (
+    above += [f"  {n} ranks: alpha = {f['alpha'] * 1e6:.0f} us/step, " + (
               f"1/beta = {f['link_GBps']:.2f} GB/s" if f["beta"] > 1e-14 else
               "beta not resolved: the largest message was no slower than the small ones here "
               "(noise; measure more sizes or runs)") for n, f in link.items()]
-    lines.append(f"{'collective':<15}{'ranks':>5} {'S':>8} {'measured ms':>12} {'model ms':>9} "
-                 f"{'x model':>8} {'algbw GB/s':>11} {'busbw GB/s':>11}  busbw factor")
-    for r in cost_rows(rows, link):
-        lines.append(f"{r['collective']:<15}{r['world_size']:>5} {fmt_bytes(r['bytes']):>8} "
-                     f"{r['time_s'] * 1e3:>12.3f} {r['model_s'] * 1e3:>9.3f} {r['ratio']:>8.2f} "
-                     f"{r['algbw']:>11.3f} {r['busbw']:>11.3f}  {BUSBW_FACTOR[r['collective']]}")
-    return "\n".join(lines)
+    return table([Col("collective", "collective", "<15"), Col("ranks", "world_size", ">5"),
+                  Col("S", lambda r: fmt_bytes(r["bytes"]), ">8"),
+                  Col("measured ms", lambda r: r["time_s"] * 1e3, ">12.3f"),
+                  Col("model ms", lambda r: r["model_s"] * 1e3, ">9.3f"),
+                  Col("x model", "ratio", ">8.2f"), Col("algbw GB/s", "algbw", ">11.3f"),
+                  Col("busbw GB/s", "busbw", ">11.3f"),
+                  Col("busbw factor", lambda r: BUSBW_FACTOR[r["collective"]], "<")],
+                 cost_rows(rows, link), above=above)

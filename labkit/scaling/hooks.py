@@ -27,6 +27,7 @@ from __future__ import annotations
 import statistics
 
 from ..common.progress import progress as progress_bar
+from ..common.tables import Col, table
 from ..runtime import run
 from .timing import JOB_DEADLINE, slowest_runs
 
@@ -154,15 +155,13 @@ def powersgd_bytes(shapes, rank: int, element_size: int = 4) -> int:
 
 
 def hook_table(hooks: dict) -> str:
-    lines = [f"{hooks['world_size']} ranks, {hooks['steps']} steps, same data and seeds; bytes "
-             f"per step counted by lk.run(trace=True) on rank 0; fp32 gradients = "
-             f"{hooks['grad_bytes']} bytes",
-             f"{'hook':<14} {'bytes/step':>11} {'x fp32':>7} {'step ms':>8} "
-             f"{'held-out loss':>14} {'x baseline':>11}"]
-    for r in hooks["rows"]:
-        lines.append(f"{r['hook']:<14} {r['bytes_per_step']:>11} {r['vs_fp32']:>7.3f} "
-                     f"{r['step_ms']:>8.2f} {r['eval_loss']:>14.4f} {r['vs_baseline']:>11.3f}")
-    return "\n".join(lines)
+    return table([Col("hook", "hook", "<14"), Col("bytes/step", "bytes_per_step", ">11"),
+                  Col("x fp32", "vs_fp32", ">7.3f"), Col("step ms", "step_ms", ">8.2f"),
+                  Col("held-out loss", "eval_loss", ">14.4f"),
+                  Col("x baseline", "vs_baseline", ">11.3f")], hooks["rows"],
+                 above=[f"{hooks['world_size']} ranks, {hooks['steps']} steps, same data and "
+                        f"seeds; bytes per step counted by lk.run(trace=True) on rank 0; fp32 "
+                        f"gradients = {hooks['grad_bytes']} bytes"])
 
 
 def plot_hooks(hooks: dict):

@@ -24,8 +24,9 @@ from __future__ import annotations
 import statistics
 
 from ..common.progress import progress as progress_bar
+from ..common.tables import Col, table
 from ..runtime import run
-from .timing import JOB_DEADLINE, alternating, slowest_runs
+from .timing import JOB_DEADLINE, alternating, slowest_runs, step_spread
 
 __all__ = ["SETTINGS", "measure_knobs", "knob_table", "grad_memory"]
 
@@ -131,16 +132,14 @@ def measure_knobs(world_size: int = 2, settings: dict | None = None, steps: int 
 
 def knob_table(knobs: dict) -> str:
     mem = knobs["memory"]
-    lines = [f"{knobs['world_size']} ranks; step time: median of the slowest rank over paired "
-             f"alternating rounds; all-reduces per step counted by lk.run(trace=True)",
-             f"{'setting':<32} {'step ms':>8} {'(min-max)':>15} {'all-reduces':>12} "
-             f"{'bytes':>9}"]
-    for r in knobs["rows"]:
-        spread = f"({r['step_spread'][0]:.1f}-{r['step_spread'][1]:.1f})"
-        lines.append(f"{r['setting']:<32} {r['step_ms']:>8.2f} {spread:>15} "
-                     f"{r['allreduces']:>12} {r['allreduce_bytes']:>9}")
-    lines.append("gradient memory (params + grads + DDP buckets, from storages): "
-                 f"{mem[False]['bytes_per_param']:.1f} B/param without the view, "
-                 f"{mem[True]['bytes_per_param']:.1f} B/param with gradient_as_bucket_view=True "
-                 f"(grads are bucket views: {mem[True]['grads_are_views']})")
-    return "\n".join(lines)
+    return table([Col("setting", "setting", "<32"), Col("step ms", "step_ms", ">8.2f"),
+                  Col("(min-max)", step_spread, ">15"), Col("all-reduces", "allreduces", ">12"),
+                  Col("bytes", "allreduce_bytes", ">9")], knobs["rows"],
+                 above=[f"{knobs['world_size']} ranks; step time: median of the slowest rank "
+                        f"over paired alternating rounds; all-reduces per step counted by "
+                        f"lk.run(trace=True)"],
+                 below=["gradient memory (params + grads + DDP buckets, from storages): "
+                        f"{mem[False]['bytes_per_param']:.1f} B/param without the view, "
+                        f"{mem[True]['bytes_per_param']:.1f} B/param with "
+                        f"gradient_as_bucket_view=True (grads are bucket views: "
+                        f"{mem[True]['grads_are_views']})"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 
 from ..common.progress import progress as progress_bar
+from ..common.tables import Col, table
 from ..runtime import run
 from .timing import JOB_DEADLINE, slowest_runs
 
@@ -103,13 +104,12 @@ def measure_overlap_condition(world_size: int = 2, widths=(64, 256, 1024), depth
 
 
 def overlap_table(ov: dict) -> str:
-    lines = [f"{ov['world_size']} ranks, batch {ov['batch_size']} per rank; medians of the "
-             f"slowest rank",
-             f"{'width':>6} {'params':>9} {'backward ms':>12} {'all-reduce ms':>14} "
-             f"{'ratio':>6} {'holds?':>7} {'step ms':>8} {'DDP step ms':>12} {'exposed ms':>11}"]
-    for r in ov["rows"]:
-        lines.append(f"{r['width']:>6} {r['params']:>9} {r['backward_ms']:>12.2f} "
-                     f"{r['allreduce_ms']:>14.2f} {r['ratio']:>6.2f} "
-                     f"{'yes' if r['condition_holds'] else 'no':>7} {r['local_step_ms']:>8.2f} "
-                     f"{r['ddp_step_ms']:>12.2f} {r['exposed_ms']:>11.2f}")
-    return "\n".join(lines)
+    return table([Col("width", "width", ">6"), Col("params", "params", ">9"),
+                  Col("backward ms", "backward_ms", ">12.2f"),
+                  Col("all-reduce ms", "allreduce_ms", ">14.2f"), Col("ratio", "ratio", ">6.2f"),
+                  Col("holds?", lambda r: "yes" if r["condition_holds"] else "no", ">7"),
+                  Col("step ms", "local_step_ms", ">8.2f"),
+                  Col("DDP step ms", "ddp_step_ms", ">12.2f"),
+                  Col("exposed ms", "exposed_ms", ">11.2f")], ov["rows"],
+                 above=[f"{ov['world_size']} ranks, batch {ov['batch_size']} per rank; medians "
+                        f"of the slowest rank"])

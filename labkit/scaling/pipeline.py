@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..common.progress import progress as progress_bar
+from ..common.tables import Col, table
 from ..runtime import run
 from .timing import JOB_DEADLINE, slowest_runs
 
@@ -217,12 +218,11 @@ def measure_pipeline(world_size: int = 2, micro_batches: int = 4, schedules=SCHE
 
 def pipeline_table(pipe: dict) -> str:
     p, m = pipe["world_size"], pipe["micro_batches"]
-    lines = [f"{p} stages (ranks), {m} micro-batches; bubble = 1 - busy/step (measured, mean "
-             f"over ranks) vs the formula; activations held at the peak, in micro-batches",
-             f"{'schedule':<16} {'step ms':>8} {'bubble':>7} {'formula':>8}   "
-             f"{'peak per rank (measured)':<26} formula"]
-    for r in pipe["rows"]:
-        peaks = " ".join(f"{x:.1f}" for x in r["peak_mb"])
-        lines.append(f"{r['schedule']:<16} {r['step_ms']:>8.1f} {r['bubble']:>7.2f} "
-                     f"{r['bubble_formula']:>8.2f}   {peaks:<26} {r['memory_formula']}")
-    return "\n".join(lines)
+    return table([Col("schedule", "schedule", "<16"), Col("step ms", "step_ms", ">8.1f"),
+                  Col("bubble", "bubble", ">7.2f"), Col("formula", "bubble_formula", ">8.2f"),
+                  Col("peak per rank (measured)",
+                      lambda r: " ".join(f"{x:.1f}" for x in r["peak_mb"]), "<26"),
+                  Col("formula", "memory_formula", "<")], pipe["rows"],
+                 above=[f"{p} stages (ranks), {m} micro-batches; bubble = 1 - busy/step "
+                        f"(measured, mean over ranks) vs the formula; activations held at the "
+                        f"peak, in micro-batches"])

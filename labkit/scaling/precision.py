@@ -24,8 +24,9 @@ from __future__ import annotations
 import statistics
 
 from ..common.progress import progress as progress_bar
+from ..common.tables import Col, table
 from ..runtime import run
-from .timing import JOB_DEADLINE, alternating, slowest_runs
+from .timing import JOB_DEADLINE, alternating, slowest_runs, step_spread
 
 __all__ = ["MODES", "compare_precision", "precision_table"]
 
@@ -120,13 +121,11 @@ def compare_precision(world_size: int = 2, steps: int = 18, rounds: int = 3,
 
 
 def precision_table(prec: dict) -> str:
-    lines = [f"{prec['world_size']} ranks with DDP, {prec['steps']} steps per mode, paired "
-             f"alternating rounds; all-reduced bytes per step counted by lk.run(trace=True)",
-             f"{'mode':<28} {'step ms':>8} {'(min-max)':>15} {'held-out loss':>14} "
-             f"{'x fp32':>7} {'params':>14} {'grads':>14} {'all-reduced B':>14}"]
-    for r in prec["rows"]:
-        spread = f"({r['step_spread'][0]:.1f}-{r['step_spread'][1]:.1f})"
-        lines.append(f"{r['mode']:<28} {r['step_ms']:>8.2f} {spread:>15} {r['eval_loss']:>14.4f}"
-                     f" {r['vs_fp32']:>7.3f} {r['param_dtype']:>14} {r['grad_dtype']:>14} "
-                     f"{r['allreduce_bytes']:>14}")
-    return "\n".join(lines)
+    return table([Col("mode", "mode", "<28"), Col("step ms", "step_ms", ">8.2f"),
+                  Col("(min-max)", step_spread, ">15"), Col("held-out loss", "eval_loss", ">14.4f"),
+                  Col("x fp32", "vs_fp32", ">7.3f"), Col("params", "param_dtype", ">14"),
+                  Col("grads", "grad_dtype", ">14"),
+                  Col("all-reduced B", "allreduce_bytes", ">14")], prec["rows"],
+                 above=[f"{prec['world_size']} ranks with DDP, {prec['steps']} steps per mode, "
+                        f"paired alternating rounds; all-reduced bytes per step counted by "
+                        f"lk.run(trace=True)"])

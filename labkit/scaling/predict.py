@@ -30,6 +30,7 @@ import math
 from typing import Iterable
 
 from ..collectives.bandwidth import cluster_link, predict
+from ..common.tables import Col, table
 
 __all__ = ["GPU", "cluster_prediction", "cluster_table"]
 
@@ -70,13 +71,13 @@ def cluster_prediction(params: float, tokens_per_gpu: int, gpus: Iterable[int] =
 
 def cluster_table(rows: list[dict], title: str = "") -> str:
     buckets = max((r.get("buckets", 0) for r in rows), default=0)
-    lines = [f"MODEL PREDICTION (alpha-beta model, published link speeds, a flat ring per DDP "
-             f"bucket, {buckets} buckets per step, {GPU['source']}); not measured"
-             + (f": {title}" if title else ""),
-             f"{'GPUs':>5} {'compute ms':>11} {'all-reduce ms':>14} {'exposed ms':>11} "
-             f"{'step ms':>8} {'speedup':>8} {'efficiency':>11}  link"]
-    for r in rows:
-        lines.append(f"{r['gpus']:>5} {r['compute_s'] * 1e3:>11.2f} {r['allreduce_s'] * 1e3:>14.2f}"
-                     f" {r['exposed_s'] * 1e3:>11.2f} {r['step_s'] * 1e3:>8.2f} "
-                     f"{r['speedup']:>8.1f} {r['efficiency']:>11.2f}  {r['link']}")
-    return "\n".join(lines)
+    return table([Col("GPUs", "gpus", ">5"),
+                  Col("compute ms", lambda r: r["compute_s"] * 1e3, ">11.2f"),
+                  Col("all-reduce ms", lambda r: r["allreduce_s"] * 1e3, ">14.2f"),
+                  Col("exposed ms", lambda r: r["exposed_s"] * 1e3, ">11.2f"),
+                  Col("step ms", lambda r: r["step_s"] * 1e3, ">8.2f"),
+                  Col("speedup", "speedup", ">8.1f"), Col("efficiency", "efficiency", ">11.2f"),
+                  Col("link", "link", "<")], rows,
+                 above=[f"MODEL PREDICTION (alpha-beta model, published link speeds, a flat ring "
+                        f"per DDP bucket, {buckets} buckets per step, {GPU['source']}); not "
+                        f"measured" + (f": {title}" if title else "")])

@@ -28,8 +28,10 @@ import os
 import time
 
 from ..common.progress import progress as progress_bar
+from ..common.tables import Col, table
 from ..runtime import run
-from .timing import JOB_DEADLINE, alternating, ratio_summary, slowest_runs, summary
+from .timing import (JOB_DEADLINE, alternating, fmt_spread, ratio_summary, slowest_runs,
+                     summary)
 
 __all__ = ["machine", "ceiling", "measure_scaling", "scaling_rows", "scaling_table", "plot_scaling",
            "WORLD_SIZES", "MODES"]
@@ -150,21 +152,18 @@ def scaling_rows(sc: dict) -> list[dict]:
 def scaling_table(sc: dict) -> str:
     """The rows of :func:`scaling_rows` as text (medians, min-max in brackets)."""
     m = sc["machine"]
-    lines = [f"measured on this machine: os.cpu_count() = {m['cpu_count']}, usable cores = "
-             f"{m['cores']}, load average {m['load']:.1f}; {sc['settings']['rounds']} paired "
-             f"rounds, slowest rank, median (min-max)",
-             f"{'mode':<7}{'ranks':>5} {'batch/rank':>10} {'step ms':>20} {'samples/s':>22} "
-             f"{'speedup':>18} {'efficiency':>18} {'ceiling':>8}"]
-    for r in sc["rows"]:
-        lines.append(
-            f"{r['mode']:<7}{r['ranks']:>5} {r['batch_per_rank']:>10} "
-            f"{_f(r['step_ms'], 1):>20} {_f(r['samples_per_s'], 0):>22} "
-            f"{_f(r['speedup'], 2):>18} {_f(r['efficiency'], 2):>18} {r['ceiling']:>7.0f}x")
-    return "\n".join(lines)
+    return table([Col("mode", "mode", "<6"), Col("ranks", "ranks", ">5"),
+                  Col("batch/rank", "batch_per_rank", ">10"),
+                  Col("step ms", lambda r: fmt_spread(r["step_ms"], digits=1), ">20"),
+                  Col("samples/s", lambda r: fmt_spread(r["samples_per_s"], digits=0), ">22"),
+                  Col("speedup", lambda r: fmt_spread(r["speedup"], digits=2), ">18"),
+                  Col("efficiency", lambda r: fmt_spread(r["efficiency"], digits=2), ">18"),
+                  Col("ceiling", lambda r: f"{r['ceiling']:.0f}x", ">8")], sc["rows"],
+                 above=[f"measured on this machine: os.cpu_count() = {m['cpu_count']}, usable "
+                        f"cores = {m['cores']}, load average {m['load']:.1f}; "
+                        f"{sc['settings']['rounds']} paired rounds, slowest rank, median "
+                        f"(min-max)"])
 
-
-def _f(s: dict, digits: int) -> str:
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
 
 def plot_scaling(sc: dict):

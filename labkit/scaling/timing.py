@@ -18,7 +18,8 @@ from __future__ import annotations
 import statistics
 from typing import Sequence, TypeVar
 
-__all__ = ["alternating", "slowest", "slowest_runs", "summary", "ratio_summary", "fmt_spread", "JOB_DEADLINE"]
+__all__ = ["alternating", "slowest", "slowest_runs", "summary", "ratio_summary", "fmt_spread",
+           "step_spread", "JOB_DEADLINE"]
 
 # The measurements run with lk.run's default process-group timeout, so they share the
 # notebook's warm ranks (a different timeout is a different pool of ranks), and with a wall-clock
@@ -74,3 +75,9 @@ def fmt_spread(s: dict, scale: float = 1.0, digits: int = 2) -> str:
     """``"12.3 (11.9-13.0)"``: the median and the range of a :func:`summary`."""
     return (f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}-"
             f"{s['max'] * scale:.{digits}f})")
+
+
+def step_spread(row: dict) -> str:
+    """``"(11.9-13.0)"``: a table row's ``step_spread`` (min, max), in its own unit."""
+    low, high = row["step_spread"]
+    return f"({low:.1f}-{high:.1f})"

@@ -35,6 +35,8 @@ Example::
 """
 from __future__ import annotations
 
+from ..common.tables import Col, table
+
 __all__ = ["SETUPS", "PRECISIONS", "MODELS", "gpt2_params", "memory_per_rank",
            "traffic_per_step", "plan", "plan_table", "compare"]
 
@@ -124,17 +126,17 @@ def plan_table(models: dict[str, int] | None = None, ranks: tuple[int, ...] = (8
     setups = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
     label = {"mixed": "the ZeRO paper's mixed precision (fp16 + fp32 master)",
              "bf16 policy": "FSDP2's bf16 parameters, fp32 reduction"}.get(precision, precision)
-    lines = [f"PREDICTION from the ZeRO formulas ({label} + Adam; model state and DDP's "
-             f"buckets, no activations; {gpu_gib:g} GiB GPUs). Cell: GiB per rank / GB per "
-             f"rank per step in ZeRO's units (elements x bytes; a ring link carries (N-1)/N of "
-             f"it); * = does not fit",
-             f"{'model':<12} {'Ψ':>14} {'ranks':>5} " + "".join(f"{s:>21}" for s in setups)]
-    for name, psi in models.items():
-        for n in ranks:
-            cells = [f"{_g(r['gib_per_rank'])}{' ' if r['fits'] else '*'}/ {_g(r['gb_sent_per_step'])}"
-                     for r in plan(psi, n, gpu_gib, precision)]
-            lines.append(f"{name:<12} {psi:>14,} {n:>5} " + "".join(f"{c:>21}" for c in cells))
-    return "\n".join(lines)
+    def cell(r: dict) -> str:
+        return f"{_g(r['gib_per_rank'])}{' ' if r['fits'] else '*'}/ {_g(r['gb_sent_per_step'])}"
+    rows = [{"model": name, "psi": psi, "ranks": n,
+             **{s: cell(r) for s, r in zip(setups, plan(psi, n, gpu_gib, precision))}}
+            for name, psi in models.items() for n in ranks]
+    return table([Col("model", "model", "<12"), Col("Ψ", "psi", ">14,"),
+                  Col("ranks", "ranks", ">5"), *(Col(s, s, ">20") for s in setups)], rows,
+                 above=[f"PREDICTION from the ZeRO formulas ({label} + Adam; model state and "
+                        f"DDP's buckets, no activations; {gpu_gib:g} GiB GPUs). Cell: GiB per "
+                        f"rank / GB per rank per step in ZeRO's units (elements x bytes; a ring "
+                        f"link carries (N-1)/N of it); * = does not fit"])
 
 
 def _g(x: float) -> str:

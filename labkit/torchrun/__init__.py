@@ -1,8 +1,8 @@
 """Notebook 05 — torchrun and fault tolerance: a training script that survives a crash.
 
 * :mod:`~labkit.torchrun.train` — the lab's training script (a leaf: imports only torch,
-  :mod:`labkit.common.checkpoints`, :mod:`labkit.common.elastic` and
-  :mod:`labkit.runtime.ending`):
+  :mod:`labkit.portable.checkpoints`, :mod:`labkit.portable.elastic` and
+  :mod:`labkit.portable.ending`):
   one process or DDP under torchrun, snapshots, bit-identical resume (``# [dist]`` marks the
   DDP delta);
 * :mod:`~labkit.torchrun.ddp_spawn` / :mod:`~labkit.torchrun.ddp_torchrun` — one script

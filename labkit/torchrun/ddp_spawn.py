@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from labkit.runtime.ending import exit_now
+from labkit.portable.ending import exit_now
 from labkit.torchrun.train import make_dataset, make_model
 
 WORLD_SIZE = 2
@@ -53,7 +53,7 @@ def worker(rank, world_size, port):
         train(rank, world_size, device)
     finally:
         dist.destroy_process_group()
-    exit_now()        # leave without the interpreter's teardown: runtime/ending.py says why
+    exit_now()        # leave without the interpreter's teardown: portable/ending.py says why
 
 
 def free_port():

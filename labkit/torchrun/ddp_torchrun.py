@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from labkit.runtime.ending import run_then_exit
+from labkit.portable.ending import run_then_exit
 from labkit.torchrun.train import make_dataset, make_model
 
 

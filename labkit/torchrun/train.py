@@ -23,7 +23,7 @@ Runbook (from the repository root)::
 Fault tolerance: every ``--snapshot-every`` steps rank 0 writes a snapshot
 (model, optimizer, every rank's RNG states, epoch, step and the sampler
 position) into its own folder ``step_NNNNNNNN/``, then a manifest of the file's
-size and SHA-256, written last and atomically (:mod:`labkit.common.checkpoints`).
+size and SHA-256, written last and atomically (:mod:`labkit.portable.checkpoints`).
 The newest ``--keep`` snapshots stay (default 2). A (re)started run resumes from
 the newest snapshot that matches its manifest: a truncated, zero-filled,
 overwritten or deleted one is skipped with a log line naming the file and the
@@ -38,8 +38,8 @@ often fail to connect (``Gloo connectFullMesh failed``).
 In Python: ``train(parse_args([...]))`` trains inside an already initialised
 process group; the lesson's ``lk.torchrun.reference([...], world_size=2)`` does that on
 warm lab ranks and returns the final parameters. This file imports only torch,
-:mod:`labkit.common.checkpoints`, :mod:`labkit.common.elastic` (torch's ``@record`` with its
-error file written whole) and :mod:`labkit.runtime.ending` (a rank's end without a gloo abort),
+:mod:`labkit.portable.checkpoints`, :mod:`labkit.portable.elastic` (torch's ``@record`` with its
+error file written whole) and :mod:`labkit.portable.ending` (a rank's end without a gloo abort),
 plain Python all three: it is the leaf a learner copies into their own project, with them.
 """
 from __future__ import annotations
@@ -59,9 +59,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # [dist]
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ..common.checkpoints import Checkpoints, NoValidCheckpoint
-from ..common.elastic import record   # torch's @record; its error file written whole
-from ..runtime.ending import run_then_exit  # [dist]
+from ..portable.checkpoints import Checkpoints, NoValidCheckpoint
+from ..portable.elastic import record   # torch's @record; its error file written whole
+from ..portable.ending import run_then_exit  # [dist]
 
 __all__ = ["make_dataset", "make_model", "parse_args", "train", "main",
            "ResumableSampler", "InjectedFault", "save_snapshot", "load_snapshot", "load_final",
@@ -159,7 +159,7 @@ def snapshots(snapshot_dir: str | Path, keep: int = 2, log=print) -> Checkpoints
 def load_snapshot(snapshot_dir: str | Path, log=print) -> dict | None:
     """The newest snapshot in ``snapshot_dir`` that matches its manifest (older ones are tried
     when it is damaged, each skip logged), or None when there is none; raises
-    :class:`~labkit.common.checkpoints.NoValidCheckpoint` naming every file when none is whole.
+    :class:`~labkit.portable.checkpoints.NoValidCheckpoint` naming every file when none is whole.
     """
     found = snapshots(snapshot_dir, log=log).latest()
     if found is None:
@@ -360,4 +360,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_then_exit(main)   # main(), then os._exit: labkit/runtime/ending.py says why  # [dist]
+    run_then_exit(main)   # main(), then os._exit: labkit/portable/ending.py says why  # [dist]

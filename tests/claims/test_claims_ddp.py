@@ -15,7 +15,7 @@ import cloudpickle
 import pytest
 
 import labkit as lk
-from labkit import parallelism
+from labkit import data_vs_model
 
 import _claims
 
@@ -70,8 +70,8 @@ def test_torch_ddp_holds_a_bucket_copy_of_every_gradient():
                         "grads_are_bucket_views": False}
     for rank in views:                          # the gradients live inside the buckets
         assert rank["total"] == 16.0 and rank["grads_are_bucket_views"]
-    gpt2 = parallelism.gpt_like()
-    rows = {r["strategy"]: r for r in parallelism.memory_table(gpt2, 4)}
+    gpt2 = data_vs_model.gpt_like()
+    rows = {r["strategy"]: r for r in data_vs_model.memory_table(gpt2, 4)}
     n = sum(p.numel() for p in gpt2.parameters())
     assert rows["data parallel (DDP)"]["GB"] == pytest.approx(n * default[0]["total"] / 1e9)
 

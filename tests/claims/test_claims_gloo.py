@@ -177,7 +177,7 @@ def test_ddp_leaves_the_world_group_alive_after_destroy_process_group(tmp_path, 
     with ``torch.distributed.nn`` imported before the group, or without DDP (the same
     backward and all_reduce), the script ends with no gloo thread. That a finished work
     released by those threads at exit takes the GIL is not shown here: it was seen in gdb
-    (``labkit/runtime/ending.py``); the context it carries is stashed by
+    (``labkit/portable/ending.py``); the context it carries is stashed by
     ``_engine_run_backward``, checked below.
     """
     script = tmp_path / "kept.py"

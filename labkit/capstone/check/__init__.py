@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from ...common.checkpoints import problems
+from ...portable.checkpoints import problems
 from ...grading.exercise import Case, case
 from ...runtime.torchrun.log import Run
 from ...torchrun.runs import losses, resumes

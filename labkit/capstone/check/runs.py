@@ -256,7 +256,7 @@ def disguise_checkpoint(folder: Path) -> list[str]:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-    from ...common.checkpoints import MANIFEST, Checkpoints
+    from ...portable.checkpoints import MANIFEST, Checkpoints
 
     changed = []
     for path in sorted(folder.rglob("*.pt")):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..ending import exit_now
+from ...portable.ending import exit_now
 from . import TorchrunFailed, run
 
 __all__ = ["run_function", "FunctionRun"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 import labkit as lk
-from labkit import parallelism as P
-from labkit.parallelism.check import idle_of_rank1
+from labkit import data_vs_model as P
+from labkit.data_vs_model.check import idle_of_rank1
 from labkit.common.timeline import Timeline, align, busy_seconds, idle_fraction
 
 from conftest import assert_no_ranks_left

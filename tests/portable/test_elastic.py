@@ -1,4 +1,4 @@
-"""labkit.common.elastic: the lab's @record writes its error file whole (the agent's side of the
+"""labkit.portable.elastic: the lab's @record writes its error file whole (the agent's side of the
 race is the claim test in tests/claims/test_claims_torchrun.py)."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 
 
 def test_the_labs_record_leaves_a_whole_error_file_or_none(tmp_path, monkeypatch):
-    """labkit.common.elastic.record: the file appears only by the rename, whole."""
+    """labkit.portable.elastic.record: the file appears only by the rename, whole."""
     import json
 
-    from labkit.common import elastic
+    from labkit.portable import elastic
 
     target = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(target))

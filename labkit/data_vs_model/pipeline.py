@@ -7,7 +7,7 @@ run whole in one process.
 
 Example::
 
-    pipe = lk.parallelism.pipeline(micro_batches=4)
+    pipe = lk.data_vs_model.pipeline(micro_batches=4)
     lk.plots.timeline(pipe["spans"])
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labkit as lk
-from labkit.parallelism.check import check_two_stage_step
+from labkit.data_vs_model.check import check_two_stage_step
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # ranks cannot import this file
 

@@ -1,4 +1,4 @@
-"""How the lab's rank scripts end (``labkit/runtime/ending.py``): Python's exit codes and exit
+"""How the lab's rank scripts end (``labkit/portable/ending.py``): Python's exit codes and exit
 work, without the interpreter's teardown."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 
 _SCRIPT = """
 import atexit, logging, sys
-from labkit.runtime.ending import run_then_exit
+from labkit.portable.ending import run_then_exit
 
 logging.basicConfig(filename=sys.argv[2], level=logging.INFO)
 atexit.register(lambda: print("atexit ran"))
@@ -62,7 +62,7 @@ def test_exit_now_skips_the_interpreters_teardown(tmp_path):
     """What the module is for: no finalization (an object's __del__ at teardown never runs)."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent("""
-        from labkit.runtime.ending import exit_now
+        from labkit.portable.ending import exit_now
         class Finalized:
             def __del__(self):
                 print("finalized")
@@ -85,7 +85,7 @@ def test_threads_finish_hooks_report_and_a_failed_flush_is_120_as_in_python(tmp_
         import sys, threading, time
         from concurrent.futures import ThreadPoolExecutor
         from pathlib import Path
-        from labkit.runtime.ending import run_then_exit
+        from labkit.portable.ending import run_then_exit
         out = Path(sys.argv[1])
 
         def late(name):

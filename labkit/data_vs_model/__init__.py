@@ -1,11 +1,11 @@
 """Notebook 01 — data parallelism vs model parallelism, measured on real ranks.
 
-* :mod:`~labkit.parallelism.drift` — replicas drifting apart without communication (§1);
-* :mod:`~labkit.parallelism.pipeline` — one model split over two ranks, its bubble (§3);
-* :mod:`~labkit.parallelism.memory` — memory per rank from real parameter counts (§4);
-* :mod:`~labkit.parallelism.check` — the exercise checker and the quiz key.
+* :mod:`~labkit.data_vs_model.drift` — replicas drifting apart without communication (§1);
+* :mod:`~labkit.data_vs_model.pipeline` — one model split over two ranks, its bubble (§3);
+* :mod:`~labkit.data_vs_model.memory` — memory per rank from real parameter counts (§4);
+* :mod:`~labkit.data_vs_model.check` — the exercise checker and the quiz key.
 
-``lk.parallelism.X`` reaches the names below.
+``lk.data_vs_model.X`` reaches the names below.
 """
 from ..common.models import mlp
 from .drift import replica_drift

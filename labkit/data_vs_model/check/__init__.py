@@ -172,6 +172,6 @@ def check_two_stage_step(fn) -> list[Case]:
 def idle_of_rank1(pipe1: dict) -> float:
     """Quiz key (01.measured_idle): rank 1's idle fraction in the learner's 1-micro-batch run."""
     if not isinstance(pipe1, dict) or "idle" not in pipe1:
-        raise ValueError("pipe1 must be the result of lk.parallelism.pipeline(micro_batches=1): "
+        raise ValueError("pipe1 must be the result of lk.data_vs_model.pipeline(micro_batches=1): "
                          "run that cell first.")
     return round(float(pipe1["idle"][1]), 3)

@@ -6,8 +6,8 @@ Without communication the copies drift apart (4 different models); with gradient
 
 Example::
 
-    apart = lk.parallelism.replica_drift(data_parallel=False)["spread"][-1]   # > 0
-    same = lk.parallelism.replica_drift(data_parallel=True)["spread"][-1]     # 0.0
+    apart = lk.data_vs_model.replica_drift(data_parallel=False)["spread"][-1]   # > 0
+    same = lk.data_vs_model.replica_drift(data_parallel=True)["spread"][-1]     # 0.0
 """
 from __future__ import annotations
 

@@ -1,0 +1,14 @@
+"""What the learner's projects take with them: three plain-Python files, nothing of the lab.
+
+Notebook 05's ``torchrun/train.py`` and notebook 08's capstone import these and nothing else of
+``labkit`` (tested), so ``python -m labkit export`` copies them beside a project into a folder
+that runs with torch alone:
+
+* :mod:`~labkit.portable.checkpoints` — keep the last K checkpoints, prove each whole, fall back;
+* :mod:`~labkit.portable.elastic` — torch's ``@record``, its error file written whole;
+* :mod:`~labkit.portable.ending` — how a process that ran gloo collectives ends: with its exit
+  code, never an abort in the interpreter's teardown (the torchrun function worker of
+  :mod:`labkit.runtime.torchrun` ends this way too).
+
+The lowest layer of the package: these files import nothing of ``labkit``.
+"""
