@@ -5,11 +5,12 @@
 
 Inside the lab the projects are modules of the package (``labkit/torchrun/train.py``;
 ``labkit/capstone/`` less its lab-side ``runs.py`` and ``check/``) that import the three small
-plain-Python files of :mod:`labkit.portable` (:data:`SUPPORT`). ``export`` writes the project's files and those
-three side by side into ``DEST`` with their package imports made plain (``from
-..portable.elastic import record`` becomes ``from elastic import record``), so the folder runs on its own with
-torch alone: ``torchrun --nproc-per-node=2 DEST/train.py`` (``tests/common/test_projects.py``
-runs both exports with no ``labkit`` importable).
+plain-Python files of :mod:`labkit.portable` (:data:`SUPPORT`). ``export`` writes the project's
+files and those three side by side into ``DEST``, their package imports made plain (``from
+..portable.elastic import record`` becomes ``from elastic import record``) and the commands in
+their help named as the folder runs them (``python train.py``), so the folder runs on its own
+with torch alone: ``torchrun --nproc-per-node=2 DEST/train.py`` (``tests/common/test_projects.py``
+trains both exports, one process each, with no ``labkit`` module imported).
 """
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ PROJECTS = {
                   "capstone/evaluate.py", "capstone/sharded_checkpoint.py")),
 }
 _RELATIVE = re.compile(r"^(\s*)from \.+(?:[\w]+\.)*(\w+) import ", re.M)
+# The lab's own way to name a script, and how the learner's folder names it.
+_COMMANDS = (("python -m labkit.torchrun.train", "python train.py"),
+             ("-m labkit.torchrun.train", "train.py"),
+             ("labkit/torchrun/train.py", "train.py"),
+             ("python -m labkit.capstone.train_gpt", "python train_gpt.py"),
+             ("-m labkit.capstone.train_gpt", "train_gpt.py"),
+             ("labkit/capstone/train_gpt.py", "train_gpt.py"))
 
 
 def export(project: str, dest: str | Path) -> list[Path]:
@@ -53,6 +61,8 @@ def export(project: str, dest: str | Path) -> list[Path]:
     written = []
     for rel in files:
         text = _RELATIVE.sub(r"\1from \2 import ", (_PKG / rel).read_text())
+        for lab, own in _COMMANDS:
+            text = text.replace(lab, own)
         out = dest / Path(rel).name
         out.write_text(text)
         written.append(out)

@@ -10,5 +10,6 @@ that runs with torch alone:
   code, never an abort in the interpreter's teardown (the torchrun function worker of
   :mod:`labkit.runtime.torchrun` ends this way too).
 
-The lowest layer of the package: these files import nothing of ``labkit``.
+The lowest layer of code (only ``labkit.syllabus`` lies under it): these files import nothing of
+``labkit``.
 """

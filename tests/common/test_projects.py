@@ -50,6 +50,10 @@ def test_an_exported_project_trains_in_its_folder_without_labkit(tmp_path, proje
     assert DONE[project] in out.stdout
     imported = re.findall(r"\|\s+(labkit[\w.]*)\s*$", out.stderr, re.M)
     assert imported == [], f"the exported {project} imported {imported}"
+    help_text = subprocess.run([sys.executable, written[0].name, "--help"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120).stdout
+    assert help_text.startswith(f"usage: python {written[0].name}"), help_text[:200]
+    assert not any("-m labkit" in p.read_text() for p in written)
 
 
 def test_export_refuses_an_unknown_project_and_a_folder_that_holds_its_files(tmp_path, capsys):
