@@ -290,7 +290,7 @@ def scale_table(rows: list[dict]) -> str:
                        Col("size", lambda r: fmt_bytes(r["bytes"]), ">8"),
                        Col("ring ms", lambda r: r["ring_s"] * 1e3, ">9.3f"),
                        Col("tree ms", lambda r: r["tree_s"] * 1e3, ">9.3f"),
-                       Col("link", "link", "<")], rows, sep="  ", below=below,
+                       Col("link", "link")], rows, sep="  ", below=below,
                       above=["MODEL PREDICTION (alpha-beta model with published link speeds; "
                              "not measured)"])
 

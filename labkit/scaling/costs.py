@@ -169,5 +169,5 @@ def cost_table(rows: list[dict]) -> str:
                   Col("model ms", lambda r: r["model_s"] * 1e3, ">9.3f"),
                   Col("x model", "ratio", ">8.2f"), Col("algbw GB/s", "algbw", ">11.3f"),
                   Col("busbw GB/s", "busbw", ">11.3f"),
-                  Col("busbw factor", lambda r: BUSBW_FACTOR[r["collective"]], "<")],
+                  Col("busbw factor", lambda r: BUSBW_FACTOR[r["collective"]])],
                  cost_rows(rows, link), above=above)

@@ -222,7 +222,7 @@ def pipeline_table(pipe: dict) -> str:
                   Col("bubble", "bubble", ">7.2f"), Col("formula", "bubble_formula", ">8.2f"),
                   Col("peak per rank (measured)",
                       lambda r: " ".join(f"{x:.1f}" for x in r["peak_mb"]), "<26"),
-                  Col("formula", "memory_formula", "<")], pipe["rows"],
+                  Col("formula", "memory_formula")], pipe["rows"],
                  above=[f"{p} stages (ranks), {m} micro-batches; bubble = 1 - busy/step "
                         f"(measured, mean over ranks) vs the formula; activations held at the "
                         f"peak, in micro-batches"])

@@ -77,7 +77,7 @@ def cluster_table(rows: list[dict], title: str = "") -> str:
                   Col("exposed ms", lambda r: r["exposed_s"] * 1e3, ">11.2f"),
                   Col("step ms", lambda r: r["step_s"] * 1e3, ">8.2f"),
                   Col("speedup", "speedup", ">8.1f"), Col("efficiency", "efficiency", ">11.2f"),
-                  Col("link", "link", "<")], rows,
+                  Col("link", "link")], rows,
                  above=[f"MODEL PREDICTION (alpha-beta model, published link speeds, a flat ring "
                         f"per DDP bucket, {buckets} buckets per step, {GPU['source']}); not "
                         f"measured" + (f": {title}" if title else "")])
