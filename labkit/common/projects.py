@@ -35,10 +35,9 @@ PROJECTS = {
 }
 _RELATIVE = re.compile(r"^(\s*)from \.+(?:[\w]+\.)*(\w+) import ", re.M)
 # The lab's own way to name a script, and how the learner's folder names it.
-_COMMANDS = (("python -m labkit.torchrun.train", "python train.py"),
-             ("-m labkit.torchrun.train", "train.py"),
+# ("python -m labkit.torchrun.train" becomes "python train.py", torchrun's "-m ..." its file.)
+_COMMANDS = (("-m labkit.torchrun.train", "train.py"),
              ("labkit/torchrun/train.py", "train.py"),
-             ("python -m labkit.capstone.train_gpt", "python train_gpt.py"),
              ("-m labkit.capstone.train_gpt", "train_gpt.py"),
              ("labkit/capstone/train_gpt.py", "train_gpt.py"))
 
