@@ -65,7 +65,7 @@ from .bank import Bank, BankError, all_banks, bank_dir
 from .kernel import checked_source, collector_source, execute, read_values
 from .sandbox import read_scores, score_in_sandbox
 from .score import MARKS, Score
-from .scoring import score_collected, score_objects
+from .scoring import KEY_TIMEOUT_S, score_collected, score_objects
 
 __all__ = ["Options", "SubmissionError", "read_submission", "bank_for", "grade_notebook",
            "score_bank", "grade_lesson_kernel", "lesson_grade_problems", "grade_paths",
@@ -83,6 +83,7 @@ class Options:
     cell_timeout: float = 120.0       # seconds per cell
     notebook_timeout: float = 900.0   # seconds for the whole notebook, re-runs included
     check_timeout: float = 300.0      # seconds per exercise check in the grader
+    key_timeout: float = KEY_TIMEOUT_S  # seconds per computed key (run on the notebook's inputs)
     collect_timeout: float = 60.0     # seconds to pickle the answers in the kernel
     max_restarts: int = 2             # re-runs after a cell kills the kernel
     grace: float = 5.0                # seconds an interrupted cell gets before the kernel is killed
@@ -244,9 +245,10 @@ def score_bank(bank: Bank, collected: dict[str, tuple[str, Any]],
     remote = [q for q in bank.questions.values() if q.runs_submission_code]
     if trusted:
         sandboxed = {s.id: s for s in score_objects(remote, collected, opts.check_timeout,
-                                                    checked)}
+                                                    checked, opts.key_timeout)}
     else:
-        sandboxed = score_in_sandbox(bank, remote, collected, opts.check_timeout)
+        sandboxed = score_in_sandbox(bank, remote, collected, opts.check_timeout,
+                                     opts.key_timeout)
     return [sandboxed[q.id] if q.runs_submission_code
             else score_collected(q, *collected.get(q.variable, ("lost", None)))
             for q in bank.questions.values()]
@@ -354,7 +356,8 @@ def write_csv(results: list[dict], path: str | os.PathLike) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     opts = Options(cell_timeout=args.cell_timeout, notebook_timeout=args.notebook_timeout,
-                   check_timeout=args.check_timeout, max_restarts=args.max_restarts,
+                   check_timeout=args.check_timeout, key_timeout=args.key_timeout,
+                   max_restarts=args.max_restarts,
                    bank=args.bank, bank_dir=args.bank_dir)
     missing = [p for p in args.paths if not Path(p).exists()]
     if missing:
@@ -411,6 +414,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds per notebook, re-runs included")
     p.add_argument("--check-timeout", type=float, default=d.check_timeout,
                    help="seconds per exercise check")
+    p.add_argument("--key-timeout", type=float, default=d.key_timeout,
+                   help="seconds per computed key (a question whose answer is computed from "
+                        "the notebook's own measurements)")
     p.add_argument("--max-restarts", type=int, default=d.max_restarts,
                    help="re-runs after a cell kills the kernel")
     p.add_argument("--jobs", type=_positive, default=1,

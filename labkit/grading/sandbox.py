@@ -31,13 +31,16 @@ from .scoring import KEY_TIMEOUT_S, score_objects
 
 __all__ = ["score_in_sandbox", "read_scores"]
 
-_START_S = 60.0          # the process's own start (torch import) on a loaded machine
+START_S = 60.0           # the process's own start (torch import) on a loaded machine
 
 
 def score_in_sandbox(bank: Bank, questions: list[Question], collected: dict[str, tuple],
-                     check_timeout: float) -> dict[str, Score]:
+                     check_timeout: float, key_timeout: float = KEY_TIMEOUT_S
+                     ) -> dict[str, Score]:
     """Score ``questions`` in a checker process; their id -> Score (an error Score for each
-    question the process could not finish)."""
+    question the process could not finish). Each exercise check runs under ``check_timeout``
+    seconds, each computed key under ``key_timeout``, the process under their sum and
+    :data:`START_S`."""
     if not questions:
         return {}
     with tempfile.TemporaryDirectory(prefix="labkit-sandbox-") as tmp:
@@ -51,9 +54,10 @@ def score_in_sandbox(bank: Bank, questions: list[Question], collected: dict[str,
                 data = ""
             states[name] = [state, data]
         request = {"bank": str(bank.path), "questions": [q.id for q in questions],
-                   "states": states, "check_timeout": check_timeout}
+                   "states": states, "check_timeout": check_timeout,
+                   "key_timeout": key_timeout}
         (folder / "request.json").write_text(json.dumps(request, default=str))
-        limit = _START_S + sum(check_timeout if q.kind == "exercise" else KEY_TIMEOUT_S
+        limit = START_S + sum(check_timeout if q.kind == "exercise" else key_timeout
                                for q in questions)
         try:
             code, _, err = procs.run("checker process",
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(folder / "results.jsonl", "a") as out:
             questions = [bank.questions[qid] for qid in request["questions"]]
-            for s in score_objects(questions, states, request["check_timeout"]):
+            for s in score_objects(questions, states, request["check_timeout"],
+                                   key_timeout=request["key_timeout"]):
                 out.write(json.dumps(s.to_dict(), default=str) + "\n")   # each as it is done
                 out.flush()
     finally:

@@ -85,13 +85,14 @@ def score_collected(q: Question, state: str, value: Any, inputs: dict | None = N
 
 
 def score_objects(questions: Iterable[Question], collected: dict[str, tuple[str, Any]],
-                  check_timeout: float, checked: dict[str, Score] | None = None
-                  ) -> Iterator[Score]:
+                  check_timeout: float, checked: dict[str, Score] | None = None,
+                  key_timeout: float = KEY_TIMEOUT_S) -> Iterator[Score]:
     """Score questions that run the submission's objects (exercises, computed keys) in THIS
     process, loading the pickles collected: what the checker process does
     (:mod:`labkit.grading.sandbox`), and the grader's path for the lab's own notebooks only
     (``trusted``), never for a submission. An exercise in ``checked`` (scored by the
-    notebook's own check cell, on the very function collected) keeps that Score."""
+    notebook's own check cell, on the very function collected) keeps that Score. An exercise
+    check runs under ``check_timeout`` seconds, a computed key under ``key_timeout``."""
     checked = checked or {}
     for q in questions:
         if q.id in checked:
@@ -101,7 +102,7 @@ def score_objects(questions: Iterable[Question], collected: dict[str, tuple[str,
         inputs = {name: v if s == "ok" else None
                   for name, (s, v) in ((n, _load(collected, n)) for n in q.inputs)}
         yield score_collected(q, state, value, inputs,
-                              check_timeout if q.kind == "exercise" else KEY_TIMEOUT_S)
+                              check_timeout if q.kind == "exercise" else key_timeout)
 
 
 def _load(collected: dict, name: str) -> tuple[str, Any]:
