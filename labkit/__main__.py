@@ -1,6 +1,7 @@
 """The lab's commands: ``python -m labkit COMMAND [options]``.
 
     python -m labkit grade SUBMISSION...       # auto-grade notebooks (labkit.grading.grader)
+    python -m labkit gradescope LESSON         # a Gradescope autograder zip (labkit.grading.gradescope)
     python -m labkit students [--check] [NN]   # student notebooks from solutions/ (labkit.grading.students)
     python -m labkit export PROJECT DEST       # a project of the lab, as a folder of its own
     python -m labkit bench NAME [options]      # benchmarks that print tables (see `bench` alone)
@@ -17,6 +18,7 @@ import sys
 
 COMMANDS = {
     "grade": ("labkit.grading.grader", "auto-grade submitted notebooks"),
+    "gradescope": ("labkit.grading.gradescope", "build a Gradescope autograder zip for a lesson"),
     "students": ("labkit.grading.students", "generate student notebooks from solutions/"),
     "export": ("labkit.common.projects", "write notebook 05's or 08's project into a folder"),
     "bench": (None, "benchmarks that print tables (run `bench` alone for the list)"),
@@ -27,6 +29,7 @@ BENCHMARKS = {
     "allreduce": ("labkit.collectives.bandwidth", "all-reduce time, algbw and busbw by size"),
     "sharding": ("labkit.sharding.bench", "memory per rank and step time: DDP, ZeRO-1/2/3, FSDP2"),
     "scaling": ("labkit.scaling.bench", "scaling table, every collective's cost, comm hooks"),
+    "grading": ("labkit.grading.bench", "grading time and peak memory per lesson (Gradescope)"),
 }
 
 
