@@ -1,13 +1,14 @@
-"""Benchmark: what grading one solved notebook costs, and how it fits Gradescope's limits.
+"""Benchmark: what grading one solved notebook costs, under the limits of its Gradescope zip.
 
-``python -m labkit bench grading [LESSON ...]`` grades each lesson's solved notebook with the
-lab's grader (``python -m labkit grade``, a fresh kernel, the real checkers) and prints, per
-lesson: the wall time, the peak memory of everything the grading started (the sum of the
-proportional set size, PSS, of every process carrying the run's mark, sampled every 0.1 s, so
-a shorter peak can be missed), how many processes that was, and the limits
-:func:`labkit.grading.gradescope.limits` gives for Gradescope's default 10-minute timeout
-beside the share of them the run used. Instructors read it to choose an assignment's
-autograder settings (CPUs, memory, timeout) before their students find out.
+``python -m labkit bench grading [LESSON ...] [--timeout S]`` grades each lesson's solved
+notebook with the lab's grader (``python -m labkit grade``: a fresh kernel, the real checkers)
+under the limits :func:`labkit.grading.gradescope.limits` gives for a Gradescope timeout of
+``--timeout`` seconds (default 600, Gradescope's default), and prints per lesson: the points it
+got under those limits (a check that ran past its limit loses its points here, as it would on
+Gradescope), the wall time, the peak memory of everything the grading started (the sum of the
+proportional set size, PSS, of every process carrying the run's mark, sampled every 0.1 s, so a
+shorter peak can be missed), how many processes that was, and the limits. Instructors read it
+to choose an assignment's autograder settings (CPUs, memory, timeout).
 """
 from __future__ import annotations
 
@@ -23,14 +24,16 @@ from pathlib import Path
 import psutil
 
 from ..common.tables import Col, table
+from ..runtime import procs
 from .bank import all_banks, bank_dir
 from .gradescope import GRADESCOPE_TIMEOUT_S, limits
 
 _MARK = "LABKIT_BENCH_GRADING"
 
 
-def measure(notebook: Path, bank: str) -> dict:
-    """Grade ``notebook`` in a subprocess; its wall time, points and peak memory."""
+def measure(notebook: Path, args: list[str]) -> dict:
+    """Grade ``notebook`` in a subprocess (``args``: the grader's options); its wall time,
+    points and peak memory."""
     mark = uuid.uuid4().hex
     peak = {"pss": 0, "procs": 0}
     done = threading.Event()
@@ -52,13 +55,17 @@ def measure(notebook: Path, bank: str) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     t0 = time.monotonic()
     sampler.start()
-    out = subprocess.run([sys.executable, "-m", "labkit", "grade", str(notebook), "--bank", bank],
-                         capture_output=True, text=True, env={**os.environ, _MARK: mark})
+    try:
+        code, stdout, _ = procs.run("grading benchmark", [sys.executable, "-m", "labkit", "grade",
+                                                          str(notebook), *args], 3600,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                    env={**os.environ, _MARK: mark})
+    finally:
+        done.set()
     wall = time.monotonic() - t0
-    done.set()
     sampler.join()
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("== ")), "")
-    points = line.rsplit(":", 1)[-1].strip() if out.returncode == 0 else f"exit {out.returncode}"
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("== ")), "")
+    points = line.rsplit(":", 1)[-1].strip() if code == 0 else f"exit {code}"
     return {"wall_s": wall, "pss_mib": peak["pss"] / 2 ** 20, "procs": peak["procs"],
             "points": points}
 
@@ -66,7 +73,6 @@ def measure(notebook: Path, bank: str) -> dict:
 COLUMNS = [Col("lesson", "lesson", "<30"), Col("points", "points", ">16"),
            Col("wall s", "wall_s", ">7.1f"), Col("peak PSS MiB", "pss_mib", ">13.0f"),
            Col("procs", "procs", ">6"), Col("notebook limit s", "notebook_s", ">17.0f"),
-           Col("used", lambda r: f"{r['wall_s'] / r['notebook_s']:.0%}", ">5"),
            Col("check limit s", "check_s", ">14")]
 
 
@@ -75,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description="grading time and peak memory per lesson, beside "
                                             "the Gradescope limits")
     p.add_argument("lessons", nargs="*", help="bank names or numbers (default: every lesson)")
+    p.add_argument("--timeout", type=float, default=GRADESCOPE_TIMEOUT_S,
+                   help="the Gradescope timeout whose limits to grade under (default 600)")
     a = p.parse_args(argv)
     banks = all_banks(bank_dir())
     chosen = [b for b in banks.values()
@@ -86,17 +94,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.1f}\n")
     rows = []
     for bank in chosen:
-        lim = limits(bank, GRADESCOPE_TIMEOUT_S)
-        row = measure(repo / "solutions" / f"{bank.name}.ipynb", bank.name)
+        lim = limits(bank, a.timeout)
+        args = ["--bank", bank.name, "--cell-timeout", f"{lim['cell_timeout']:g}",
+                "--notebook-timeout", f"{lim['notebook_timeout']:g}",
+                "--check-timeout", f"{lim['check_timeout']:g}",
+                "--key-timeout", f"{lim['key_timeout']:g}"]
+        row = measure(repo / "solutions" / f"{bank.name}.ipynb", args)
         exercises = any(q.kind == "exercise" for q in bank.questions.values())
         rows.append({"lesson": bank.name, "notebook_s": lim["notebook_timeout"],
                      "check_s": f"{lim['check_timeout']:.0f}" if exercises else "-", **row})
         print(f"  {bank.name}: {row['wall_s']:.1f} s", file=sys.stderr, flush=True)
     print(table(COLUMNS, rows, above=[
-        "the solved notebook graded by `python -m labkit grade` (kernel, collection, checks);",
-        "peak PSS: every process of the grading, sampled every 0.1 s; limits: those of",
-        f"`python -m labkit gradescope LESSON` for Gradescope's default {GRADESCOPE_TIMEOUT_S} s "
-        "timeout (used: wall / notebook limit)"]))
+        "the solved notebook graded by `python -m labkit grade` (kernel, collection, checks)",
+        f"under the limits of `python -m labkit gradescope LESSON --timeout {a.timeout:g}`;",
+        "peak PSS: every process of the grading, sampled every 0.1 s"]))
     return 0
 
 

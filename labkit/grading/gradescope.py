@@ -12,7 +12,7 @@ submission, ``run_autograder`` with the student's upload in ``/autograder/submis
 reads ``/autograder/results/results.json``. In the zip:
 
 ``setup.sh``
-    Installs Python (apt, when the image has none of 3.10 or newer), a virtual environment in
+    Installs Python (apt, when the image has none of 3.11 or newer), a virtual environment in
     ``source/.venv``, torch from PyTorch's CPU index and the lab's pinned requirements (less the
     browser and test tools). Grading downloads nothing.
 ``run_autograder``
@@ -34,9 +34,12 @@ truncated, not JSON) gets a score of 0 and a message that says why and what to u
 a grading that crashed or ran past the assignment's time limit (a watchdog ends it
 :data:`HARNESS_MARGIN_S` seconds before Gradescope would). The grading runs in a process tree
 of its own (:class:`labkit.runtime.procs.Tree`) that is stopped before ``results.json`` is
-written, so no process the submission started outlives it or rewrites the results. Like the
-grader, this isolates the results from the submission, not the container: on Gradescope the
-submission's code runs as root, and a process that scrubs its own environment is not found.
+written, so no process the submission started and left running rewrites the results. What
+this does not stop (the README says more): on Gradescope the submission's code runs as root and
+the exercise checks run it in the checker process, so code written to attack the grading can
+rewrite the lab's files or the checker's report while it runs, or escape the sweep by scrubbing
+its environment; scores the checker reports must at least be possible ones
+(:func:`labkit.grading.sandbox.score_in_sandbox`).
 
 For tests, ``LABKIT_AUTOGRADER_ROOT`` moves ``/autograder`` and ``LABKIT_PYTHON`` makes
 ``setup.sh`` use an existing environment instead of making one.
@@ -61,17 +64,19 @@ from .score import MARKS
 __all__ = ["GRADESCOPE_TIMEOUT_S", "HARNESS_MARGIN_S", "VISIBILITIES", "limits", "worst_case_s",
            "build", "run", "results_from_grade", "failure", "find_submission", "main"]
 
-GRADESCOPE_TIMEOUT_S = 600   # Gradescope's default autograder timeout: 10 minutes (max 40)
-HARNESS_MARGIN_S = 20        # the watchdog ends grading this long before Gradescope's timeout
+GRADESCOPE_TIMEOUT_S = 600   # Gradescope's default autograder timeout: 10 minutes
+GRADESCOPE_MAX_S = 2400      # the most an assignment can be given: 40 minutes
+HARNESS_MARGIN_S = 40        # the watchdog ends grading this long before Gradescope's timeout:
+                             # its own sweep of the grading's processes, and writing the results
 VISIBILITIES = ("visible", "after_due_date", "after_published", "hidden")
 CONFIG = "autograder.json"
 ROOT_ENV = "LABKIT_AUTOGRADER_ROOT"
 
-# What one grading spends besides the notebook's cells and the exercise checks (seconds): the
-# answers collected, the kernel stopped (interrupt grace included), the runner and grader started.
-_COLLECT_S = 30.0
-_STOP_S = 15.0
-_RUNNER_S = 10.0
+# What one grading spends besides the notebook's cells and the exercise checks (seconds).
+_COLLECT_S = 30.0      # collecting the answers from the kernel
+_GRACE_S = 5.0         # an interrupted cell (or collection) ignoring the interrupt, before the kill
+_STOP_S = 15.0         # the kernel shut down and its tree swept
+_RUNNER_S = 10.0       # the runner and the grader started, the results written
 _KEY_S = 15.0          # a computed key: a sum or a product of the notebook's own numbers
 _CHECK_MAX_S = 300.0   # the grader's default per exercise check
 _CELL_MAX_S = 120.0    # the grader's default per cell
@@ -82,40 +87,49 @@ _NOT_FOR_GRADING = ("jupyterlab", "playwright", "pytest", "pytest-timeout", "pyt
 
 
 # ------------------------------------------------------------------------------ limits
-def limits(bank: Bank, timeout_s: float = GRADESCOPE_TIMEOUT_S) -> dict[str, float]:
-    """The grader's limits for ``bank`` so that a whole grading, at its worst, ends before
-    Gradescope's ``timeout_s`` (:func:`worst_case_s`). After the fixed costs, the time left is
-    split: the exercise checks share half (each at most the grader's default 300 s) and the
-    notebook gets the rest; no cell gets more than the grader's default 120 s.
-
-    Raises ValueError when ``timeout_s`` leaves less than a minute for the notebook."""
-    from .sandbox import START_S
-
+def _fixed_s(bank: Bank) -> tuple[float, int]:
+    """The seconds a grading of ``bank`` may spend outside the notebook's own time and the
+    exercise checks, as :func:`worst_case_s` counts them; and the number of exercises."""
     exercises = sum(q.kind == "exercise" for q in bank.questions.values())
-    keys = sum(q.kind != "exercise" and q.key is not None for q in bank.questions.values())
-    fixed = (_COLLECT_S + _STOP_S + _RUNNER_S + HARNESS_MARGIN_S + START_S * bool(exercises + keys)
-             + keys * _KEY_S)
+    no_checks = {"notebook_timeout": 0.0, "check_timeout": 0.0, "key_timeout": _KEY_S,
+                 "collect_timeout": _COLLECT_S, "grace": _GRACE_S}
+    return worst_case_s(bank, no_checks) + HARNESS_MARGIN_S, exercises
+
+
+def limits(bank: Bank, timeout_s: float = GRADESCOPE_TIMEOUT_S) -> dict[str, float]:
+    """The grader's limits for ``bank`` so that a whole grading, at its worst
+    (:func:`worst_case_s`), ends :data:`HARNESS_MARGIN_S` before Gradescope's ``timeout_s``.
+    After the fixed costs the time left is split: the exercise checks share half (each at most
+    the grader's default 300 s) and the notebook gets the rest; no cell more than 120 s.
+
+    Raises ValueError when ``timeout_s`` leaves the notebook less than a minute."""
+    fixed, exercises = _fixed_s(bank)
     left = timeout_s - fixed
     check = min(_CHECK_MAX_S, left / 2 / exercises) if exercises else _CHECK_MAX_S
     notebook = left - exercises * check
     if notebook < 60:
+        least = fixed + (120 if exercises else 60)
         raise ValueError(f"a {timeout_s:g} s autograder timeout leaves {max(notebook, 0):.0f} s "
-                         f"for running {bank.name} ({exercises} exercise(s), {keys} computed "
-                         f"key(s)); give it at least {fixed + 60 + 60 * exercises:.0f} s")
+                         f"for running {bank.name} ({exercises} exercise(s)); give it at least "
+                         f"{least:.0f} s")
     return {"cell_timeout": min(_CELL_MAX_S, notebook), "notebook_timeout": notebook,
             "check_timeout": check, "key_timeout": _KEY_S, "collect_timeout": _COLLECT_S,
-            "max_restarts": 2, "grace": 5.0}
+            "max_restarts": 2, "grace": _GRACE_S}
 
 
 def worst_case_s(bank: Bank, lim: dict[str, float]) -> float:
-    """The longest a grading with limits ``lim`` can take: the notebook (kernel re-runs
-    included), collecting, stopping, the checker process at its own limit, the runner."""
+    """The longest a grading with limits ``lim`` can take, from the limits each part of the
+    grader keeps: the notebook's time (re-runs included), a kernel start begun just before that
+    ran out, a cell ignoring its interrupt, collecting (and ignoring that interrupt too),
+    stopping the kernel, the checker process at its own limit, and the runner."""
+    from .kernel import KERNEL_START_S
     from .sandbox import START_S
 
     remote = [q for q in bank.questions.values() if q.runs_submission_code]
     sandbox = (START_S + sum(lim["check_timeout"] if q.kind == "exercise" else lim["key_timeout"]
                              for q in remote)) if remote else 0.0
-    return (lim["notebook_timeout"] + lim["collect_timeout"] + _STOP_S + sandbox + _RUNNER_S)
+    return (lim["notebook_timeout"] + KERNEL_START_S + lim["grace"] + lim["collect_timeout"]
+            + lim["grace"] + _STOP_S + sandbox + _RUNNER_S)
 
 
 # ------------------------------------------------------------------------------ build
@@ -130,16 +144,27 @@ cd "$(dirname "$0")"
 if [ -n "${{LABKIT_PYTHON:-}}" ]; then
     PYTHON=$LABKIT_PYTHON
 else
-    if ! python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    # Python 3.11 or newer with venv (the lab reads its banks with tomllib): Ubuntu 24.04 has
+    # 3.12; on 22.04 (3.10) try apt's python3.11 beside it
+    ok() {{ command -v "$1" >/dev/null 2>&1 && "$1" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }}
+    PY=""
+    for c in python3 python3.13 python3.12 python3.11; do if ok "$c"; then PY=$c; break; fi; done
+    if [ -z "$PY" ]; then
         apt-get update
         DEBIAN_FRONTEND=noninteractive apt-get install -y python3 python3-venv python3-pip
+        for c in python3 python3.11; do if ok "$c"; then PY=$c; break; fi; done
     fi
-    if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
-        echo "setup.sh: the lab needs Python 3.10 or newer; this image has $(python3 --version)." >&2
-        echo "Choose an Ubuntu 22.04 or newer base image in the assignment's autograder settings." >&2
+    if [ -z "$PY" ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y python3.11 python3.11-venv || true
+        if ok python3.11; then PY=python3.11; fi
+    fi
+    if [ -z "$PY" ]; then
+        echo "setup.sh: the lab needs Python 3.11 or newer with venv, and none could be installed" >&2
+        echo "here ($(python3 --version 2>&1)). Choose the Ubuntu 24.04 base image in the" >&2
+        echo "assignment's autograder settings." >&2
         exit 1
     fi
-    python3 -m venv .venv
+    "$PY" -m venv .venv
     PYTHON=$PWD/.venv/bin/python
 fi
 # torch {torch} from PyTorch's CPU index: the default index's Linux wheel is the CUDA build (GBs)
@@ -178,6 +203,11 @@ def build(lesson: str, out: str | os.PathLike | None = None,
     limit below what :func:`limits` gives."""
     if visibility not in VISIBILITIES:
         raise ValueError(f"visibility must be one of {', '.join(VISIBILITIES)}, not {visibility!r}")
+    if not 0 < timeout_s <= GRADESCOPE_MAX_S:
+        raise ValueError(f"--timeout {timeout_s:g}: Gradescope allows an autograder 1 to "
+                         f"{GRADESCOPE_MAX_S} s (40 minutes)")
+    if cell_timeout is not None and cell_timeout <= 0:
+        raise ValueError(f"--cell-timeout {cell_timeout:g}: must be more than 0 s")
     bank = _bank(lesson)
     lim = limits(bank, timeout_s)
     if cell_timeout is not None:
@@ -243,12 +273,14 @@ def _grading_requirements(requirements: Path) -> str:
 
 
 def _commit(repo: Path) -> str | None:
+    from ..runtime import procs
+
     try:
-        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        code, out, _ = procs.run("git", ["git", "-C", str(repo), "rev-parse", "HEAD"], 10,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return (out.strip() or None) if code == 0 else None
 
 
 # ------------------------------------------------------------------------------ run
@@ -275,8 +307,10 @@ def run(root: str | os.PathLike | None = None) -> int:
 
 
 def failure(message: str, max_points: float | None = None) -> dict:
-    """The results of a submission that could not be graded: a score of 0 and why."""
-    out = {"score": 0.0, "output": message, "stdout_visibility": "hidden", "tests": []}
+    """The results of a submission that could not be graded: a score of 0 and why (shown at
+    once whatever the tests' visibility: the student can fix it and submit again)."""
+    out = {"score": 0.0, "output": message, "visibility": "visible",
+           "stdout_visibility": "hidden", "tests": []}
     if max_points is not None:
         out["output"] += f"\n\nScore: 0 / {max_points:g}."
     return out
@@ -387,8 +421,9 @@ def results_from_grade(grade: dict, bank: Bank, visibility: str = "visible") -> 
                                _quiz_output(q, question), visibility))
     for i, t in enumerate(tests, 1):
         t["number"] = str(i)
-    return {"score": grade["points"], "output": _summary(grade, bank), "output_format": "text",
-            "stdout_visibility": "hidden", "tests": tests}
+    return {"score": grade["points"], "output": _summary(grade, bank, visibility),
+            "output_format": "text", "visibility": visibility, "stdout_visibility": "hidden",
+            "tests": tests}
 
 
 def _test(name: str, score: float, max_score: float, passed: bool, output: str,
@@ -419,15 +454,16 @@ def _case_tests(q: dict, question, visibility: str) -> list[dict]:
     for c in cases:
         lines = [f"{'✓ passed' if c['passed'] else '✗ failed'}"
                  + (f": {c['detail']}" if c["detail"] else ""), "", head, question.prompt]
-        if c is cases[0] and credited and q.get("explanation"):
+        if c is cases[0] and q["status"] == "correct" and q.get("explanation"):
             lines.append(f"Why: {q['explanation']}")
         tests.append(_test(f"{q['id']} · {c['name']}", share if c["passed"] and credited else 0.0,
                            share, c["passed"], "\n".join(lines), visibility))
     return tests
 
 
-def _summary(grade: dict, bank: Bank) -> str:
-    lines = [f"{bank.name}: {grade['points']:g} / {grade['max_points']:g} points.",
+def _summary(grade: dict, bank: Bank, visibility: str) -> str:
+    lines = [f"{bank.name}: {grade['points']:g} / {grade['max_points']:g} points."
+             if visibility == "visible" else f"{bank.name}: graded.",
              "Your notebook ran from the top in a fresh kernel; the answer variables and "
              "functions it defined were then read and checked by the lab's grader (with its own "
              "key, and exercises on real ranks). Printed output and check cells are not read."]
@@ -458,6 +494,16 @@ def _check(source: Path) -> int:
     config = json.loads((source / CONFIG).read_text())
     bank = load_bank(source / "quizzes" / f"{config['bank']}.toml")
     KernelSpecManager().get_kernel_spec("python3")
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=120)
+    try:
+        reply = kc.execute_interactive("import labkit, torch", timeout=120)
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"a kernel cannot import the lab: {reply['content']}")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
     matplotlib.use("Agg")
     import matplotlib.pyplot  # noqa: F401  (builds the font cache now, not in every grading)
     print(f"ready to grade {bank.name} ({bank.max_points:g} points) with torch "

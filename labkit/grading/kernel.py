@@ -47,7 +47,9 @@ from nbclient.util import ensure_async
 
 from ..runtime.procs import Tree
 
-__all__ = ["CellRun", "Execution", "execute", "collector_source", "read_values"]
+__all__ = ["CellRun", "Execution", "execute", "collector_source", "read_values", "KERNEL_START_S"]
+
+KERNEL_START_S = 60.0   # how long a kernel may take to start (each run of the notebook)
 
 _COLLECT = r'''
 def __labkit_collect__(names, pickled, out):
@@ -169,7 +171,7 @@ async def _run(nb, names, pickled, ex, work, env, cell_timeout, deadline, collec
         ex.cells, killer = [], None
         client = _Client(nb, timeout=None, timeout_func=lambda cell: client.limit,
                          interrupt_on_timeout=True, allow_errors=True, kernel_name="python3",
-                         startup_timeout=60, iopub_timeout=2, record_timing=False)
+                         startup_timeout=KERNEL_START_S, iopub_timeout=2, record_timing=False)
         client.grace = grace
         client.on_cell_executed = lambda **kw: setattr(client, "reply", kw["execute_reply"])
         try:

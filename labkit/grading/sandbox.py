@@ -26,7 +26,7 @@ from pathlib import Path
 from ..runtime import procs
 from .bank import Bank, Question, load_bank
 from .exercise import Case
-from .score import Score
+from .score import STATUSES, Score
 from .scoring import KEY_TIMEOUT_S, score_objects
 
 __all__ = ["score_in_sandbox", "read_scores"]
@@ -69,8 +69,36 @@ def score_in_sandbox(bank: Bank, questions: list[Question], collected: dict[str,
         except subprocess.TimeoutExpired:
             why = f"the checker process ran past its {limit:.0f} s limit and was stopped"
         done = read_scores(folder / "results.jsonl")
-    return {q.id: done.get(q.id) or Score(q.id, 0.0, q.points, "error", f"not graded: {why}")
-            for q in questions}
+    out = {}
+    for q in questions:
+        s = done.get(q.id)
+        wrong = None if s is None else _impossible(q, s)
+        if wrong:
+            why = (f"the checker process reported a score that cannot be right ({wrong}): code "
+                   f"the submission ran there may have written it")
+        out[q.id] = s if s is not None and not wrong else \
+            Score(q.id, 0.0, q.points, "error", f"not graded: {why}")
+    return out
+
+
+def _impossible(q: Question, s: Score) -> str | None:
+    """Why the Score ``s`` cannot be what the checker gave question ``q`` (the grader's own
+    copy of the bank), or None. The checker process runs the submission's code, which could
+    write any line into its results: a line that survives this is one the real checker could
+    have written (all cases passing, for an exercise: see the README on what stays out of
+    reach)."""
+    if s.id != q.id or s.max_points != q.points:
+        return "it is for another question"
+    if s.status not in STATUSES or not 0 <= s.points <= q.points:
+        return f"{s.points:g} of {q.points:g} points, status {s.status!r}"
+    if q.kind == "exercise" and s.cases:
+        n, passed = len(s.cases), sum(bool(c.passed) for c in s.cases)
+        want = q.points if passed == n else (q.points * passed / n if q.partial else 0.0)
+        if abs(s.points - want) > 1e-9:
+            return f"{s.points:g} points for {passed} of {n} cases passing"
+    elif s.points not in (0.0, q.points) or (q.kind == "exercise" and s.points):
+        return f"{s.points:g} of {q.points:g} points without cases"
+    return None
 
 
 def read_scores(path: Path) -> dict[str, Score]:

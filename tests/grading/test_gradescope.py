@@ -133,6 +133,7 @@ import json, os, pathlib, subprocess, sys
 results = pathlib.Path(os.environ.get("LABKIT_AUTOGRADER_ROOT", "/autograder")) / "results" / "results.json"
 fake = json.dumps({"score": 999, "output": "forged", "tests": []})
 results.write_text(fake)       # a grade of its own, written where Gradescope reads it
+results.with_name("hostile-ran").write_text("yes")
 writer = ("import pathlib, time\nwhile True:\n    pathlib.Path(%r).write_text(%r)\n    time.sleep(0.05)"
           % (str(results), fake))
 subprocess.Popen([sys.executable, "-c", writer], start_new_session=True,   # and again, later
@@ -160,6 +161,7 @@ def graded(request, tmp_path_factory):
     nb.cells[1:1] = [nbformat.v4.new_code_cell(HOSTILE)] + (   # one lesson is enough for this
         [nbformat.v4.new_code_cell("while True:\n    pass")] if lesson == LESSONS[0] else [])
     runs["hostile"] = ag.grade({"my work/attempt.ipynb": nbformat.writes(nb).encode()})
+    runs["hostile_ran"] = (ag.root / "results" / "hostile-ran").exists()
     time.sleep(0.5)
     runs["hostile_after"] = json.loads((ag.root / "results" / "results.json").read_text())
 
@@ -186,8 +188,6 @@ def test_the_zip_has_gradescope_layout_and_the_lab(graded):
     assert (ag.root / "source" / ".python").read_text().strip() == sys.executable
     config = json.loads((ag.root / "source" / "autograder.json").read_text())
     assert config["bank"] == ag.lesson and config["limits"]["cell_timeout"] == CELL_TIMEOUT
-    assert gradescope.worst_case_s(ag.bank, config["limits"]) <= \
-        config["timeout_s"] - gradescope.HARNESS_MARGIN_S
 
 
 def test_solved_scores_full_marks_with_one_test_per_item(graded):
@@ -234,6 +234,7 @@ def test_partly_answered_scores_exactly_and_never_shows_the_key(graded):
 def test_hostile_submission_cannot_write_its_own_grade_and_leaves_nothing(graded):
     ag, runs, *_ = graded
     results, _ = runs["hostile"]
+    assert runs["hostile_ran"]    # the forging cell did run, and wrote its results.json
     assert results["score"] == pytest.approx(ag.bank.max_points)   # answers graded all the same
     if ag.lesson == LESSONS[0]:   # the cells that did not finish are named to the student
         assert "cell 3 (while True:): timeout" in results["output"], results["output"]
@@ -268,15 +269,21 @@ def edit_config(ag: Autograder, **changes) -> dict:
 
 def test_watchdog_ends_grading_before_gradescope_does(quiz_autograder):
     ag = quiz_autograder
-    old = edit_config(ag, timeout_s=gradescope.HARNESS_MARGIN_S + 4)
+    timeout = gradescope.HARNESS_MARGIN_S + 15    # 15 s to grade: the kernel starts, then sleeps
+    old = edit_config(ag, timeout_s=timeout)
     try:
         nb = solved("00_setup")
-        nb.cells.insert(1, nbformat.v4.new_code_cell("import time\ntime.sleep(600)"))
+        nb.cells.insert(1, nbformat.v4.new_code_cell(
+            "import os, pathlib, time\n"
+            "pathlib.Path(os.environ['LABKIT_AUTOGRADER_ROOT'], 'results', 'asleep').touch()\n"
+            "time.sleep(600)"))
         t0 = time.monotonic()
         results, _ = ag.grade({"00_setup.ipynb": nbformat.writes(nb).encode()})
+        took = time.monotonic() - t0
     finally:
         edit_config(ag, **old)
-    assert time.monotonic() - t0 < 60
+    assert (ag.root / "results" / "asleep").exists()    # the cell was running when it fired
+    assert took < timeout - gradescope.HARNESS_MARGIN_S / 2, took
     assert results["score"] == 0 and "ran past the assignment's time limit" in results["output"]
 
 
@@ -317,15 +324,41 @@ def test_a_broken_config_still_writes_results(quiz_autograder):
 
 
 # ------------------------------------------------------------------ pure parts
-def test_limits_fit_gradescope_timeouts_for_every_bank():
+def test_limits_give_every_bank_a_usable_split_and_name_the_least_timeout():
     for bank in all_banks(bank_dir()).values():
-        for timeout in (gradescope.GRADESCOPE_TIMEOUT_S, 1200, 2400):
-            lim = gradescope.limits(bank, timeout)
-            worst = gradescope.worst_case_s(bank, lim)
-            assert worst <= timeout - gradescope.HARNESS_MARGIN_S + 1e-6, (bank.name, timeout)
-            assert lim["notebook_timeout"] >= 60 and 0 < lim["cell_timeout"] <= 120
-    with pytest.raises(ValueError, match="at least"):
-        gradescope.limits(load_bank(bank_dir() / "08_capstone.toml"), 200)
+        lim = gradescope.limits(bank, gradescope.GRADESCOPE_TIMEOUT_S)
+        assert lim["notebook_timeout"] >= 120 and 0 < lim["cell_timeout"] <= 120, bank.name
+        assert lim["check_timeout"] >= 40, bank.name
+        with pytest.raises(ValueError, match="at least") as err:
+            gradescope.limits(bank, 100)
+        least = float(re.search(r"at least (\d+) s", str(err.value)).group(1))
+        assert gradescope.limits(bank, least)["notebook_timeout"] >= 60     # that is enough
+        with pytest.raises(ValueError):
+            gradescope.limits(bank, least - 1)                               # and the least
+
+
+def test_worst_case_counts_what_the_grader_really_allows(monkeypatch):
+    """worst_case_s against the limits the grader's parts really set: the checker process's own
+    limit (captured from the call that starts it) and the kernel's start-up allowance."""
+    from labkit.grading import kernel, sandbox
+
+    bank = load_bank(bank_dir() / "08_capstone.toml")
+    lim = gradescope.limits(bank, 1200)
+    seen = {}
+
+    def fake_run(what, argv, timeout, **kw):
+        seen["limit"] = timeout
+        return 0, b"", b""
+
+    monkeypatch.setattr(sandbox.procs, "run", fake_run)
+    remote = [q for q in bank.questions.values() if q.runs_submission_code]
+    sandbox.score_in_sandbox(bank, remote, {}, lim["check_timeout"], lim["key_timeout"])
+    quiz_only = dataclasses.replace(bank, questions={q.id: q for q in bank.questions.values()
+                                                     if not q.runs_submission_code})
+    assert gradescope.worst_case_s(bank, lim) - gradescope.worst_case_s(quiz_only, lim) \
+        == pytest.approx(seen["limit"])
+    assert gradescope.worst_case_s(quiz_only, lim) >= lim["notebook_timeout"] + \
+        kernel.KERNEL_START_S + lim["collect_timeout"] + 2 * lim["grace"]
 
 
 def test_exercise_cases_split_the_points_exactly():
@@ -353,6 +386,33 @@ def test_exercise_cases_split_the_points_exactly():
     assert [t["score"] for t in split["tests"]] == pytest.approx([q.points / 4] * 2 + [0]
                                                                  + [q.points / 4])
     assert "only when" not in split["tests"][0]["output"]
+    assert q.explanation not in split["tests"][0]["output"]   # it may state the answer
+
+
+def test_hidden_visibility_keeps_the_points_out_of_the_summary():
+    bank = load_bank(bank_dir() / "00_setup.toml")
+    grade = {"status": "graded", "points": 3.0, "max_points": bank.max_points, "cells": [],
+             "notes": [], "questions": []}
+    shown = gradescope.results_from_grade(grade, bank, "visible")
+    hidden = gradescope.results_from_grade(grade, bank, "after_due_date")
+    assert "3 / 4 points" in shown["output"] and "points" not in hidden["output"]
+    assert hidden["visibility"] == "after_due_date"
+
+
+def test_a_forged_checker_score_is_refused():
+    from labkit.grading.exercise import Case
+    from labkit.grading.sandbox import _impossible
+    from labkit.grading.score import Score
+
+    bank = load_bank(bank_dir() / "01_data_vs_model_parallelism.toml")
+    q = bank.questions["01.two_stage_step"]      # partial credit: points follow the cases
+    cases = [Case("a", True), Case("b", False)]
+    assert _impossible(q, Score(q.id, q.points / 2, q.points, "partial", "", cases=cases)) is None
+    assert "cases passing" in _impossible(q, Score(q.id, q.points, q.points, "correct", "",
+                                                   cases=cases))
+    assert "points" in _impossible(q, Score(q.id, 1e6, q.points, "correct", ""))
+    assert "another question" in _impossible(q, Score(q.id, 1.0, 1e6, "correct", ""))
+    assert "without cases" in _impossible(q, Score(q.id, q.points, q.points, "correct", ""))
 
 
 def test_no_hint_gives_the_key_away():
@@ -366,6 +426,11 @@ def test_no_hint_gives_the_key_away():
                 assert not re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", q.hint), q.id
             elif q.kind == "single":
                 assert q.answer not in q.hint, q.id
+            elif q.kind == "multi":
+                assert not [a for a in q.answer if a in q.hint], q.id
+            elif q.kind == "short":
+                keys = [q.answer] if isinstance(q.answer, str) else q.answer
+                assert not [k for k in keys if re.search(rf"\b{re.escape(k)}\b", q.hint, re.I)], q.id
 
 
 def test_build_refuses_bad_arguments(tmp_path):
@@ -376,4 +441,8 @@ def test_build_refuses_bad_arguments(tmp_path):
     assert out.returncode == 2 and "no lesson '42_nothing'" in out.stderr
     out = cli("08", "--timeout", "100")
     assert out.returncode == 2 and "give it at least" in out.stderr
+    out = cli("08", "--timeout", "3000")
+    assert out.returncode == 2 and "40 minutes" in out.stderr
+    out = cli("00", "--cell-timeout", "0")
+    assert out.returncode == 2 and "more than 0" in out.stderr
     assert list(tmp_path.iterdir()) == []
