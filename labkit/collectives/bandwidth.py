@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from typing import Iterable
@@ -33,7 +34,7 @@ from ..common.tables import Col
 from ..common.tables import table as text_table
 from ..runtime import run
 
-__all__ = ["measure", "table", "ratios", "plot", "fit", "predict", "at_scale", "scale_table",
+__all__ = ["measure", "table", "ratios", "plot", "fit", "fit_alpha_beta", "link_text", "predict", "at_scale", "scale_table",
            "plot_scale", "main",
            "IMPLS", "SIZES", "FULL_SIZES", "LINKS", "cluster_link", "fmt_bytes"]
 
@@ -239,13 +240,64 @@ def predict(alpha: float, beta: float, nbytes: float, world_size: int,
     raise ValueError(f"algorithm must be 'ring', 'naive' or 'tree', got {algorithm!r}.")
 
 
-def fit(rows: list[dict], impl: str = "ring") -> list[dict]:
-    """Fit α (s per step) and β (s per byte) to the measurements of ``impl``, per world size.
+def fit_alpha_beta(points: Iterable[tuple[float, float, float]]) -> dict:
+    """Fit ``time = steps·α + link_bytes·β`` to ``points`` = ``(steps, link_bytes, time_s)``,
+    by least squares on relative error (small and large messages count alike), and say what
+    the points can resolve.
 
-    Least squares on relative error, so small and large messages count alike. Returns
-    ``{impl, world_size, alpha, beta, link_GBps (= 1/β), worst_error (relative)}`` rows.
+    Returns ``alpha``, ``beta`` (clipped at 0 and 1e-15 for use in the model), their standard
+    errors ``alpha_se``, ``beta_se`` (from the residuals: ``nan`` with only 2 sizes), ``dof``,
+    ``resolved`` (β > 2 standard errors: the times really grow with size), ``link_GBps``
+    (1/β), ``link_GBps_range`` (1/β at β ∓ 2 standard errors; ``inf`` above when β − 2se ≤ 0)
+    and ``worst_error`` (the largest relative gap between the fit and a point). When the times
+    do not grow with size (all the messages fit in the time a step takes anyway) β is not
+    resolved, and 1/β is no link speed: only its lower end says something (:func:`link_text`).
     """
     import numpy as np
+
+    pts = [(float(st), float(lb), float(t)) for st, lb, t in points]
+    if len(pts) < 2:
+        raise ValueError(f"fitting alpha and beta needs at least 2 message sizes; got {len(pts)}")
+    a = np.array([[st / t, lb / t] for st, lb, t in pts])
+    y = np.ones(len(pts))
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    dof = len(pts) - 2
+    if dof > 0:
+        resid = y - a @ coef
+        cov = float(resid @ resid) / dof * np.linalg.pinv(a.T @ a)
+        alpha_se, beta_se = (float(x) for x in np.sqrt(np.maximum(np.diag(cov), 0.0)))
+    else:
+        alpha_se = beta_se = float("nan")
+    raw_beta = float(coef[1])
+    alpha, beta = max(float(coef[0]), 0.0), max(raw_beta, 1e-15)
+    resolved = raw_beta > 0 and (dof == 0 or raw_beta > 2 * beta_se)
+    if dof > 0:
+        low, high = raw_beta + 2 * beta_se, raw_beta - 2 * beta_se
+        rng = (1e-9 / low if low > 0 else float("inf"), 1e-9 / high if high > 0 else float("inf"))
+    else:
+        rng = (1e-9 / beta, 1e-9 / beta)
+    worst = max(abs(st * alpha + lb * beta - t) / t for st, lb, t in pts)
+    return dict(alpha=alpha, beta=beta, alpha_se=alpha_se, beta_se=beta_se, dof=dof,
+                resolved=resolved, link_GBps=1e-9 / beta, link_GBps_range=rng,
+                worst_error=worst)
+
+
+def link_text(m: dict) -> str:
+    """What a fit (:func:`fit_alpha_beta`) says about the link, in words a reader can trust."""
+    lo, hi = m["link_GBps_range"]
+    if not m["resolved"]:
+        return (f"1/beta not resolved: the times barely grow with size, so any link faster than "
+                f"{lo:.2g} GB/s fits them (measure larger messages)" if math.isfinite(lo) and
+                lo > 0 else "1/beta not resolved: the times do not grow with size")
+    if m["dof"] == 0:
+        return f"1/beta = {m['link_GBps']:.2f} GB/s (2 sizes: no uncertainty estimate)"
+    top = f"{hi:.2f}" if math.isfinite(hi) else "inf"
+    return f"1/beta = {m['link_GBps']:.2f} GB/s ({lo:.2f} to {top} at 2 standard errors)"
+
+
+def fit(rows: list[dict], impl: str = "ring") -> list[dict]:
+    """Fit α (s per step) and β (s per byte) to the measurements of ``impl``, per world size
+    (:func:`fit_alpha_beta`). Returns its dicts with ``impl`` and ``world_size`` added."""
     out = []
     for n in sorted({r["world_size"] for r in rows if r["impl"] == impl}):
         pts = [(r["bytes"], r["time_s"]) for r in rows
@@ -253,12 +305,8 @@ def fit(rows: list[dict], impl: str = "ring") -> list[dict]:
         if len(pts) < 2:
             raise ValueError(f"fitting needs at least 2 message sizes for {impl} on {n} ranks.")
         unit = predict(1.0, 0.0, 1, n, impl), predict(0.0, 1.0, 1, n, impl)  # steps, bytes/S
-        a = np.array([[unit[0], unit[1] * s] for s, _ in pts]) / np.array([[t] for _, t in pts])
-        (alpha, beta), *_ = np.linalg.lstsq(a, np.ones(len(pts)), rcond=None)
-        alpha, beta = max(float(alpha), 0.0), max(float(beta), 1e-15)
-        worst = max(abs(predict(alpha, beta, s, n, impl) - t) / t for s, t in pts)
-        out.append(dict(impl=impl, world_size=n, alpha=alpha, beta=beta, link_GBps=1e-9 / beta,
-                        worst_error=worst))
+        out.append(dict(impl=impl, world_size=n,
+                        **fit_alpha_beta((unit[0], unit[1] * s, t) for s, t in pts)))
     return out
 
 
@@ -338,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{min(r):.2f}x .. {max(r):.2f}x (target <= 1.5x)\n")
     for m in fit(rows):
         print(f"alpha-beta fit, ring on {m['world_size']} ranks: alpha = {m['alpha'] * 1e6:.1f} us"
-              f"/step, 1/beta = {m['link_GBps']:.2f} GB/s, worst error {m['worst_error']:.0%}")
+              f"/step, {link_text(m)}, worst error {m['worst_error']:.0%}")
     print("\n" + scale_table(at_scale()))
     if a.plot:
         plot(rows, fit(rows)).savefig(a.plot)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..collectives.bandwidth import fmt_bytes
+from ..collectives.bandwidth import fit_alpha_beta, fmt_bytes, link_text
 from ..common.progress import progress as progress_bar
 from ..common.tables import Col, table
 from ..runtime import run
@@ -122,10 +122,8 @@ def measure_costs(sizes=(2 ** 16, 2 ** 20), world_sizes=(2, 4), collectives=COLL
 
 
 def fit_link(rows: list[dict], collective: str = "all_reduce") -> dict[int, dict]:
-    """α and β per world size from ``collective``'s rows (the two smallest and largest sizes:
-    least squares on relative error). ``{n: {"alpha", "beta", "link_GBps"}}``."""
-    import numpy as np
-
+    """α and β per world size from ``collective``'s rows (every size measured), with what the
+    points resolve (:func:`labkit.collectives.bandwidth.fit_alpha_beta`): ``{n: fit}``."""
     out = {}
     for n in sorted({r["world_size"] for r in rows}):
         pts = [(r["bytes"], r["time_s"]) for r in rows
@@ -133,12 +131,8 @@ def fit_link(rows: list[dict], collective: str = "all_reduce") -> dict[int, dict
         if len(pts) < 2:
             raise ValueError(f"fitting α and β needs {collective} at 2 sizes or more on {n} "
                              f"ranks; got {len(pts)}.")
-        a = np.array([[model_time(collective, s, n, 1.0, 0.0),
-                       model_time(collective, s, n, 0.0, 1.0)] for s, _ in pts])
-        a /= np.array([[t] for _, t in pts])
-        (alpha, beta), *_ = np.linalg.lstsq(a, np.ones(len(pts)), rcond=None)
-        alpha, beta = max(float(alpha), 0.0), max(float(beta), 1e-15)
-        out[n] = {"alpha": alpha, "beta": beta, "link_GBps": 1e-9 / beta}
+        out[n] = fit_alpha_beta((model_time(collective, s, n, 1.0, 0.0),
+                                 model_time(collective, s, n, 0.0, 1.0), t) for s, t in pts)
     return out
 
 
@@ -159,10 +153,8 @@ def cost_table(rows: list[dict]) -> str:
     link = fit_link(rows)
     above = ["each collective on gloo: median of the slowest rank; model = alpha-beta formula "
              "with alpha, beta fitted to this world size's all-reduce (a MODEL)"]
-    above += [f"  {n} ranks: alpha = {f['alpha'] * 1e6:.0f} us/step, " + (
-              f"1/beta = {f['link_GBps']:.2f} GB/s" if f["beta"] > 1e-14 else
-              "beta not resolved: the largest message was no slower than the small ones here "
-              "(noise; measure more sizes or runs)") for n, f in link.items()]
+    above += [f"  {n} ranks: alpha = {f['alpha'] * 1e6:.0f} us/step, {link_text(f)}"
+              for n, f in link.items()]
     return table([Col("collective", "collective", "<15"), Col("ranks", "world_size", ">5"),
                   Col("S", lambda r: fmt_bytes(r["bytes"]), ">8"),
                   Col("measured ms", lambda r: r["time_s"] * 1e3, ">12.3f"),

@@ -40,6 +40,24 @@ def test_fit_recovers_alpha_and_beta():
         bw.fit(_rows(3e-4, 1e-9, 2)[:1])
 
 
+def test_the_fit_says_what_it_can_resolve():
+    exact = bw.fit(_rows(3e-4, 1 / 1.2e9, 2))[0]
+    assert exact["resolved"] and exact["beta_se"] == pytest.approx(0, abs=1e-15)
+    assert exact["link_GBps_range"] == pytest.approx((1.2, 1.2), rel=1e-6)
+    assert bw.link_text(exact).startswith("1/beta = 1.20 GB/s (1.20 to 1.20 at 2 standard")
+    # flat from 4 KiB to 4 MiB (what 4 ranks on 2 cores show): beta is noise, 1/beta no speed
+    flat = [dict(world_size=4, impl="ring", bytes=s, time_s=t)
+            for s, t in zip([4096, 65536, MiB, 4 * MiB], [2.1e-3, 1.9e-3, 2.2e-3, 2.05e-3])]
+    m = bw.fit(flat)[0]
+    assert not m["resolved"] and m["link_GBps_range"][1] == float("inf")
+    assert "not resolved" in bw.link_text(m) and "GB/s (" not in bw.link_text(m)
+    two = bw.fit(_rows(3e-4, 1 / 1.2e9, 2)[:2])[0]
+    assert two["dof"] == 0 and "no uncertainty estimate" in bw.link_text(two)
+    noisy = bw.fit(_rows(3e-4, 1 / 1.2e9, 2, noise=1.3))[0]     # resolved, with a wide range
+    lo, hi = noisy["link_GBps_range"]
+    assert lo < noisy["link_GBps"] < hi
+
+
 def test_at_scale_is_labelled_and_shows_the_ring_latency_wall():
     rows = bw.at_scale(gpus=(8, 1024), sizes=(MiB, 2 ** 30))
     small = {r["gpus"]: r for r in rows if r["bytes"] == MiB}

@@ -9,7 +9,7 @@ from labkit.scaling import (alternating, bubble_formula, busbw_factor, ceiling,
                             cluster_prediction, memory_formula, model_time, powersgd_bytes,
                             ratio_summary, summary, warmup_lr)
 from labkit.scaling.batch_lr import diverged
-from labkit.scaling.costs import cost_rows, fit_link
+from labkit.scaling.costs import cost_rows, cost_table, fit_link
 from labkit.scaling.throughput import scaling_rows, scaling_table
 
 
@@ -81,6 +81,12 @@ def test_the_fit_recovers_alpha_and_beta_and_predicts_every_collective():
     fit = fit_link(rows)[4]
     assert fit["alpha"] == pytest.approx(a, rel=1e-6) and fit["beta"] == pytest.approx(b, rel=1e-6)
     assert all(r["ratio"] == pytest.approx(1.0) for r in cost_rows(rows))
+    assert fit["resolved"] and fit["dof"] == 0           # 2 sizes: exact, no uncertainty
+    flat = [dict(collective="all_reduce", world_size=4, bytes=s, time_s=t, algbw=s / t / 1e9,
+                 busbw=s / t / 1e9 * 1.5)
+            for s, t in ((2 ** 16, 3.1e-3), (2 ** 20, 2.9e-3), (2 ** 22, 3.0e-3))]
+    assert not fit_link(flat)[4]["resolved"]
+    assert "not resolved" in cost_table(cost_rows(flat))
 
 
 def test_pipeline_formulas():
