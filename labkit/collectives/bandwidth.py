@@ -240,18 +240,35 @@ def predict(alpha: float, beta: float, nbytes: float, world_size: int,
     raise ValueError(f"algorithm must be 'ring', 'naive' or 'tree', got {algorithm!r}.")
 
 
+# Two-sided 95 % Student t quantiles by degrees of freedom.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def _t95(dof: int) -> float:
+    """t for ``dof`` degrees of freedom; between table entries, the next smaller one's (a
+    larger t: the range errs wide)."""
+    return _T95[max(d for d in _T95 if d <= max(dof, 1))]
+
+
 def fit_alpha_beta(points: Iterable[tuple[float, float, float]]) -> dict:
     """Fit ``time = steps·α + link_bytes·β`` to ``points`` = ``(steps, link_bytes, time_s)``,
     by least squares on relative error (small and large messages count alike), and say what
     the points can resolve.
 
-    Returns ``alpha``, ``beta`` (clipped at 0 and 1e-15 for use in the model), their standard
-    errors ``alpha_se``, ``beta_se`` (from the residuals: ``nan`` with only 2 sizes), ``dof``,
-    ``resolved`` (β > 2 standard errors: the times really grow with size), ``link_GBps``
-    (1/β), ``link_GBps_range`` (1/β at β ∓ 2 standard errors; ``inf`` above when β − 2se ≤ 0)
-    and ``worst_error`` (the largest relative gap between the fit and a point). When the times
-    do not grow with size (all the messages fit in the time a step takes anyway) β is not
-    resolved, and 1/β is no link speed: only its lower end says something (:func:`link_text`).
+    Returns ``alpha``, ``beta`` (β clipped at 1e-15 for use in the model; a negative α is set
+    to 0 and β refitted alone, ``alpha_clipped``), their standard errors ``alpha_se``,
+    ``beta_se`` (from the residuals; ``nan`` with only 2 sizes), ``dof`` (sizes − parameters),
+    ``resolved`` (β above ``t``·se, ``t`` the two-sided 95 % Student quantile for ``dof``:
+    the times grow with size more than their scatter explains), ``link_GBps`` (1/β),
+    ``link_GBps_range`` (1/(β ± t·se); ``inf`` above when β − t·se ≤ 0; ``nan`` with 2
+    sizes) and ``worst_error`` (the largest relative gap between the fit and a point).
+
+    The range is a rough spread, not a confidence interval: with a few sizes the misfit is
+    partly systematic (protocol changes, caches), not independent noise, and the weighted
+    formula is itself an approximation. When β is not resolved, 1/β is no link speed
+    (:func:`link_text` gives only the lower bound the points set); ``beta`` is still the
+    estimate, which a model built on it keeps.
     """
     import numpy as np
 
@@ -261,38 +278,50 @@ def fit_alpha_beta(points: Iterable[tuple[float, float, float]]) -> dict:
     a = np.array([[st / t, lb / t] for st, lb, t in pts])
     y = np.ones(len(pts))
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    dof = len(pts) - 2
-    if dof > 0:
+    alpha_clipped = float(coef[0]) < 0
+    nan = float("nan")
+    if alpha_clipped:     # no negative start-up time: refit β alone, with α = 0
+        b = a[:, 1]
+        coef = np.array([0.0, float(b @ y / (b @ b))])
+        dof = len(pts) - 1
         resid = y - a @ coef
-        cov = float(resid @ resid) / dof * np.linalg.pinv(a.T @ a)
-        alpha_se, beta_se = (float(x) for x in np.sqrt(np.maximum(np.diag(cov), 0.0)))
+        alpha_se, beta_se = 0.0, float(np.sqrt(float(resid @ resid) / dof / float(b @ b)))
     else:
-        alpha_se = beta_se = float("nan")
-    raw_beta = float(coef[1])
+        dof = len(pts) - 2
+        if dof > 0:
+            resid = y - a @ coef
+            cov = float(resid @ resid) / dof * np.linalg.pinv(a.T @ a)
+            alpha_se, beta_se = (float(x) for x in np.sqrt(np.maximum(np.diag(cov), 0.0)))
+        else:
+            alpha_se = beta_se = nan
+    raw_beta, t = float(coef[1]), _t95(max(dof, 1))
     alpha, beta = max(float(coef[0]), 0.0), max(raw_beta, 1e-15)
-    resolved = raw_beta > 0 and (dof == 0 or raw_beta > 2 * beta_se)
+    resolved = raw_beta > 0 and (dof == 0 or raw_beta > t * beta_se)
     if dof > 0:
-        low, high = raw_beta + 2 * beta_se, raw_beta - 2 * beta_se
+        low, high = raw_beta + t * beta_se, raw_beta - t * beta_se
         rng = (1e-9 / low if low > 0 else float("inf"), 1e-9 / high if high > 0 else float("inf"))
     else:
-        rng = (1e-9 / beta, 1e-9 / beta)
-    worst = max(abs(st * alpha + lb * beta - t) / t for st, lb, t in pts)
+        rng = (nan, nan)
+    worst = max(abs(st * alpha + lb * beta - t_) / t_ for st, lb, t_ in pts)
     return dict(alpha=alpha, beta=beta, alpha_se=alpha_se, beta_se=beta_se, dof=dof,
-                resolved=resolved, link_GBps=1e-9 / beta, link_GBps_range=rng,
-                worst_error=worst)
+                alpha_clipped=alpha_clipped, resolved=resolved, link_GBps=1e-9 / beta,
+                link_GBps_range=rng, worst_error=worst)
 
 
 def link_text(m: dict) -> str:
     """What a fit (:func:`fit_alpha_beta`) says about the link, in words a reader can trust."""
     lo, hi = m["link_GBps_range"]
     if not m["resolved"]:
-        return (f"1/beta not resolved: the times barely grow with size, so any link faster than "
-                f"{lo:.2g} GB/s fits them (measure larger messages)" if math.isfinite(lo) and
-                lo > 0 else "1/beta not resolved: the times do not grow with size")
+        bound = (f": the points rule out links slower than about {lo:.2g} GB/s (a rough "
+                 f"bound), faster ones cannot be told apart" if math.isfinite(lo) and lo > 0
+                 else "")
+        return ("1/beta not resolved, the growth with size cannot be told from the scatter "
+                f"(times flat or too noisy){bound}; measure larger messages, or repeat")
     if m["dof"] == 0:
         return f"1/beta = {m['link_GBps']:.2f} GB/s (2 sizes: no uncertainty estimate)"
     top = f"{hi:.2f}" if math.isfinite(hi) else "inf"
-    return f"1/beta = {m['link_GBps']:.2f} GB/s ({lo:.2f} to {top} at 2 standard errors)"
+    return (f"1/beta = {m['link_GBps']:.2f} GB/s (rough 95% range {lo:.2f} to {top}, from "
+            f"{m['dof'] + (1 if m['alpha_clipped'] else 2)} sizes)")
 
 
 def fit(rows: list[dict], impl: str = "ring") -> list[dict]:

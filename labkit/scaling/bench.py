@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m labkit bench scaling",
                                 description="scaling table, collective costs, comm hooks")
     p.add_argument("--rounds", type=int, default=5, help="paired rounds for the scaling table")
-    p.add_argument("--sizes", type=int, nargs="+", default=[2 ** 16, 2 ** 20, 2 ** 22],
+    p.add_argument("--sizes", type=int, nargs="+", default=[2 ** k for k in (16, 18, 20, 22, 24)],
                    help="payload sizes (bytes) for the collectives table")
     p.add_argument("--iters", type=int, default=10, help="timed runs per collective and size")
     p.add_argument("--hook-ranks", type=int, nargs="+", default=[2])

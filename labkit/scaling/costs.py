@@ -153,8 +153,12 @@ def cost_table(rows: list[dict]) -> str:
     link = fit_link(rows)
     above = ["each collective on gloo: median of the slowest rank; model = alpha-beta formula "
              "with alpha, beta fitted to this world size's all-reduce (a MODEL)"]
-    above += [f"  {n} ranks: alpha = {f['alpha'] * 1e6:.0f} us/step, {link_text(f)}"
+    above += [f"  {n} ranks: alpha = {f['alpha'] * 1e6:.0f} us/step"
+              + (" (clipped at 0)" if f["alpha_clipped"] else "") + f", {link_text(f)}"
               for n, f in link.items()]
+    if not all(f["resolved"] for f in link.values()):
+        above.append("  where 1/beta is not resolved the model keeps a beta the points do not pin "
+                      "down, so its 'x model' column says little")
     return table([Col("collective", "collective", "<15"), Col("ranks", "world_size", ">5"),
                   Col("S", lambda r: fmt_bytes(r["bytes"]), ">8"),
                   Col("measured ms", lambda r: r["time_s"] * 1e3, ">12.3f"),

@@ -44,15 +44,22 @@ def test_the_fit_says_what_it_can_resolve():
     exact = bw.fit(_rows(3e-4, 1 / 1.2e9, 2))[0]
     assert exact["resolved"] and exact["beta_se"] == pytest.approx(0, abs=1e-15)
     assert exact["link_GBps_range"] == pytest.approx((1.2, 1.2), rel=1e-6)
-    assert bw.link_text(exact).startswith("1/beta = 1.20 GB/s (1.20 to 1.20 at 2 standard")
+    assert bw.link_text(exact) == "1/beta = 1.20 GB/s (rough 95% range 1.20 to 1.20, from 4 sizes)"
     # flat from 4 KiB to 4 MiB (what 4 ranks on 2 cores show): beta is noise, 1/beta no speed
     flat = [dict(world_size=4, impl="ring", bytes=s, time_s=t)
             for s, t in zip([4096, 65536, MiB, 4 * MiB], [2.1e-3, 1.9e-3, 2.2e-3, 2.05e-3])]
     m = bw.fit(flat)[0]
     assert not m["resolved"] and m["link_GBps_range"][1] == float("inf")
-    assert "not resolved" in bw.link_text(m) and "GB/s (" not in bw.link_text(m)
+    assert "not resolved" in bw.link_text(m) and not bw.link_text(m).startswith("1/beta =")
     two = bw.fit(_rows(3e-4, 1 / 1.2e9, 2)[:2])[0]
     assert two["dof"] == 0 and "no uncertainty estimate" in bw.link_text(two)
+    flat_two = bw.fit_alpha_beta([(2, 1e3, 1e-4), (2, 1e6, 0.9e-4)])   # shrinking: no speed
+    assert not flat_two["resolved"] and "GB/s" not in bw.link_text(flat_two)
+    grows_noisily = bw.fit_alpha_beta([(2, s, t) for s, t in  # 9x slower, but scattered
+                                       [(1e3, 1e-4), (1e5, 6e-4), (1e6, 2e-4), (4e6, 9e-4)]])
+    assert not grows_noisily["resolved"] and "too noisy" in bw.link_text(grows_noisily)
+    negative = bw.fit_alpha_beta([(2, s, 1e-9 * s - 1e-6) for s in (1e4, 1e5, 1e6)])
+    assert negative["alpha_clipped"] and negative["alpha"] == 0 and negative["beta"] > 0
     noisy = bw.fit(_rows(3e-4, 1 / 1.2e9, 2, noise=1.3))[0]     # resolved, with a wide range
     lo, hi = noisy["link_GBps_range"]
     assert lo < noisy["link_GBps"] < hi
