@@ -25,7 +25,7 @@ COMMANDS = {
     "nccl-capture": ("labkit.pitfalls.nccl_capture", "record real NCCL failure logs (GPU)"),
 }
 BENCHMARKS = {
-    "launch": ("labkit.runtime.bench", "rank start-up latency and warm-pool memory"),
+    "launch": ("labkit.runtime.bench", "launch latency against other launchers, warm-pool memory"),
     "allreduce": ("labkit.collectives.bandwidth", "all-reduce time, algbw and busbw by size"),
     "sharding": ("labkit.sharding.bench", "memory per rank and step time: DDP, ZeRO-1/2/3, FSDP2"),
     "scaling": ("labkit.scaling.bench", "scaling table, every collective's cost, comm hooks"),
