@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 
-from ..common.tables import Col, table
 from . import procs
 
 _SCRIPT = r'''
@@ -223,16 +222,21 @@ def _ratio(row: dict) -> str:
 
 
 def launch_table(rows: list[dict], repeat: int, settle: float, jobs: int) -> str:
-    cols = [Col("ranks", "ranks", ">5"), Col("mode", "mode", "<18")]
-    cols += [Col(f"{lc} s", _cell(lc), ">22") for lc in LAUNCHERS if installed(lc)]
-    cols += [Col("lk / best", _ratio, ">9")]
-    return table(cols, rows, above=[
-        f"seconds, median (min-max) of {repeat} runs, launchers' order alternating; cold: a "
-        f"fresh process timed whole by its parent; first in a kernel: after the first cell's "
-        f"imports and {settle:g} s; repeated: median of {jobs} more jobs; '-': the launcher "
-        f"cannot run there (mp.spawn cannot run a notebook's function)"]
-        + [f"{lc}: not installed here, so no column (pip install {lc} to add it)"
-           for lc in LAUNCHERS if not installed(lc)])
+    """The table (written here: the runtime sits below ``common.tables`` in the layers)."""
+    launchers = [lc for lc in LAUNCHERS if installed(lc)]
+    head = [f"{'ranks':>5}", f"{'mode':<18}", *(f"{lc + ' s':>22}" for lc in launchers),
+            f"{'lk / best':>9}"]
+    lines = [f"seconds, median (min-max) of {repeat} runs, launchers' order alternating; cold: "
+             f"a fresh process timed whole by its parent; first in a kernel: after the first "
+             f"cell's imports and {settle:g} s; repeated: median of {jobs} more jobs; '-': the "
+             f"launcher cannot run there (mp.spawn cannot run a notebook's function)"]
+    lines += [f"{lc}: not installed here, so no column (pip install {lc} to add it)"
+              for lc in LAUNCHERS if not installed(lc)]
+    lines.append(" ".join(head))
+    for r in rows:
+        lines.append(" ".join([f"{r['ranks']:>5}", f"{r['mode']:<18}",
+                               *(f"{_cell(lc)(r):>22}" for lc in launchers), f"{_ratio(r):>9}"]))
+    return "\n".join(lines)
 
 
 def _pool_memory(n: int = 4) -> dict:
