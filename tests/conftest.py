@@ -67,6 +67,19 @@ def assert_no_ranks_left(within: float = 10.0) -> None:
     assert zombies() == [], f"zombie processes: {zombies()}"
 
 
+def marked_with(name: str, value: str) -> list[psutil.Process]:
+    """Live processes whose environment holds ``name=value``: the mark a test put on a command
+    it started, which every process that command starts inherits."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(name) == value:
+                found.append(p)
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
 def has_gpus(n: int) -> bool:
     try:
         import torch

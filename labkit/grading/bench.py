@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import psutil
@@ -26,26 +25,22 @@ import psutil
 from ..common.tables import Col, table
 from ..runtime import procs
 from .bank import all_banks, bank_dir
-from .gradescope import GRADESCOPE_TIMEOUT_S, limits
-
-_MARK = "LABKIT_BENCH_GRADING"
-
+from .gradescope import GRADESCOPE_TIMEOUT_S, lesson_bank, limits
 
 def measure(notebook: Path, args: list[str]) -> dict:
     """Grade ``notebook`` in a subprocess (``args``: the grader's options); its wall time,
-    points and peak memory."""
-    mark = uuid.uuid4().hex
+    points and peak memory over every process of its tree."""
+    tree = procs.Tree("grading benchmark")
     peak = {"pss": 0, "procs": 0}
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
             pss = n = 0
-            for p in psutil.process_iter():
+            for p in tree.live():
                 try:
-                    if p.environ().get(_MARK) == mark:
-                        pss += p.memory_full_info().pss
-                        n += 1
+                    pss += p.memory_full_info().pss
+                    n += 1
                 except (psutil.Error, OSError):
                     pass
             if pss > peak["pss"]:
@@ -56,12 +51,13 @@ def measure(notebook: Path, args: list[str]) -> dict:
     t0 = time.monotonic()
     sampler.start()
     try:
-        code, stdout, _ = procs.run("grading benchmark", [sys.executable, "-m", "labkit", "grade",
-                                                          str(notebook), *args], 3600,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                    env={**os.environ, _MARK: mark})
+        proc = tree.start([sys.executable, "-m", "labkit", "grade", str(notebook), *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stdout, _ = proc.communicate(timeout=3600)
+        code = proc.returncode
     finally:
         done.set()
+        tree.stop()
     wall = time.monotonic() - t0
     sampler.join()
     line = next((ln for ln in stdout.splitlines() if ln.startswith("== ")), "")
@@ -84,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=GRADESCOPE_TIMEOUT_S,
                    help="the Gradescope timeout whose limits to grade under (default 600)")
     a = p.parse_args(argv)
-    banks = all_banks(bank_dir())
-    chosen = [b for b in banks.values()
-              if not a.lessons or b.name in a.lessons or b.prefix in a.lessons]
+    try:
+        chosen = ([lesson_bank(x) for x in a.lessons] if a.lessons
+                  else list(all_banks(bank_dir()).values()))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     repo = Path(__file__).resolve().parents[2]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"python -m labkit bench grading: {time.strftime('%Y-%m-%d %H:%M')}, {cores} usable "

@@ -62,7 +62,7 @@ from .bank import Bank, BankError, all_banks, bank_dir, load_bank
 from .score import MARKS
 
 __all__ = ["GRADESCOPE_TIMEOUT_S", "HARNESS_MARGIN_S", "VISIBILITIES", "limits", "worst_case_s",
-           "build", "run", "results_from_grade", "failure", "find_submission", "main"]
+           "build", "lesson_bank", "run", "results_from_grade", "failure", "find_submission", "main"]
 
 GRADESCOPE_TIMEOUT_S = 600   # Gradescope's default autograder timeout: 10 minutes
 GRADESCOPE_MAX_S = 2400      # the most an assignment can be given: 40 minutes
@@ -208,7 +208,7 @@ def build(lesson: str, out: str | os.PathLike | None = None,
                          f"{GRADESCOPE_MAX_S} s (40 minutes)")
     if cell_timeout is not None and cell_timeout <= 0:
         raise ValueError(f"--cell-timeout {cell_timeout:g}: must be more than 0 s")
-    bank = _bank(lesson)
+    bank = lesson_bank(lesson)
     lim = limits(bank, timeout_s)
     if cell_timeout is not None:
         lim["cell_timeout"] = min(lim["cell_timeout"], float(cell_timeout))
@@ -241,7 +241,8 @@ def build(lesson: str, out: str | os.PathLike | None = None,
     return out
 
 
-def _bank(lesson: str) -> Bank:
+def lesson_bank(lesson: str) -> Bank:
+    """The bank of ``lesson``: its name (``03_ring_allreduce``, a file name too) or number."""
     banks = all_banks(bank_dir())
     name = Path(lesson).stem
     matches = [b for b in banks.values() if name in (b.name, b.prefix)]
@@ -344,8 +345,7 @@ def _grade_submission(root: Path, t0: float) -> dict:
     from ..runtime.procs import Tree
 
     source = root / "source"
-    config = json.loads((source / CONFIG).read_text())
-    bank = load_bank(source / "quizzes" / f"{config['bank']}.toml")
+    config, bank = _unpacked(source)
     nb, problem = find_submission(root / "submission", bank)
     if nb is None:
         return failure(problem, bank.max_points)
@@ -355,9 +355,9 @@ def _grade_submission(root: Path, t0: float) -> dict:
     tree = Tree("Gradescope grading")
     try:
         out = work / "grade.json"
-        proc = tree.start([sys.executable, "-m", "labkit.grading.gradescope", "grade", str(nb), "--source",
-                           str(source), "--out", str(out)], stdin=subprocess.DEVNULL,
-                          start_new_session=True)
+        proc = tree.start([sys.executable, "-m", "labkit.grading.gradescope", "grade", str(nb),
+                           "--source", str(source), "--out", str(out)],
+                          stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -378,6 +378,12 @@ def _grade_submission(root: Path, t0: float) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     print(grade.pop("report", ""), flush=True)   # for the instructor (stdout is not shown)
     return results_from_grade(grade, bank, config["visibility"])
+
+
+def _unpacked(source: Path) -> tuple[dict, Bank]:
+    """The unpacked zip's config and the bank it names."""
+    config = json.loads((source / CONFIG).read_text())
+    return config, load_bank(source / "quizzes" / f"{config['bank']}.toml")
 
 
 def _grade_child(nb: Path, source: Path, out: Path) -> int:
@@ -491,8 +497,7 @@ def _check(source: Path) -> int:
 
     from . import grader  # noqa: F401
 
-    config = json.loads((source / CONFIG).read_text())
-    bank = load_bank(source / "quizzes" / f"{config['bank']}.toml")
+    config, bank = _unpacked(source)
     KernelSpecManager().get_kernel_spec("python3")
     from jupyter_client.manager import start_new_kernel
 

@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
+from conftest import marked_with
 
 from labkit.grading import grader
 from labkit.grading.grader import SubmissionError, bank_for, format_report, read_submission
@@ -86,13 +86,7 @@ def run_grader(folder: Path, tmp: Path, *args: str) -> tuple[subprocess.Complete
         [sys.executable, "-m", "labkit", "grade", str(folder), "--bank-dir", str(BANKS),
          "--json", str(out), *args], capture_output=True, text=True, timeout=600,
         env={**os.environ, "LABKIT_TEST_MARK": mark, "LABKIT_PRESTART": "0"})
-    left = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("LABKIT_TEST_MARK") == mark:
-                left.append(p)
-        except (psutil.Error, OSError):
-            pass
+    left = marked_with("LABKIT_TEST_MARK", mark)
     assert left == [], f"the grader left processes behind: {left}"
     assert out.exists(), proc.stdout + proc.stderr
     data = json.loads(out.read_text())
