@@ -30,6 +30,7 @@ from typing import Any, Callable
 from .errors import BackendUnavailable, InvalidJob, UnsupportedPlatform, error_for
 from .pickling import pickle_job
 from .pool import Interrupts, Pool, Zygote
+from .preload import needs_dynamo
 from .protocol import PoolSpec
 from .result import JobResult
 
@@ -103,12 +104,13 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
     with Interrupts.watch() as interrupts:  # Ctrl-C ends any wait below at once
         with Interrupts.immediate():
             payload = pickle_job(fn, args, kwargs)
+            dynamo = needs_dynamo(fn, args, kwargs)
         with _lock:
             zygote = _zygote_for(env)               # starts importing torch in the background
             backend = _resolve_backend(backend, world_size, zygote)
             spec = PoolSpec(world_size=world_size, backend=backend, timeout=float(timeout),
                             threads=threads, idle_timeout=_IDLE_S)
-            pool, cold = _pool_for(zygote, spec, fresh)
+            pool, cold = _pool_for(zygote, spec, fresh, dynamo)
             try:
                 result = pool.run_job(payload, timeout + 3.0 if deadline is None else deadline,
                                       trace=trace)
@@ -250,15 +252,15 @@ def _zygote_for(env: dict) -> Zygote:
     return z
 
 
-def _pool_for(zygote, spec: PoolSpec, fresh: bool):
+def _pool_for(zygote, spec: PoolSpec, fresh: bool, dynamo: bool):
     global _pool
-    if _pool is not None and (fresh or not _pool.reusable(zygote, spec)):
+    if _pool is not None and (fresh or not _pool.reusable(zygote, spec, dynamo)):
         _drop_pool()
     if _pool is not None:
         return _pool, False
     # A start that fails or is interrupted kills its ranks (Pool, Zygote.fork); a zygote that
     # failed is closed, and the next _zygote_for replaces it.
-    _pool = Pool(zygote, spec)
+    _pool = Pool(zygote, spec, dynamo)
     return _pool, True
 
 

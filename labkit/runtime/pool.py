@@ -239,20 +239,23 @@ class Zygote:
                 self.gpus = got[0][2]
         return self.gpus
 
-    def fork(self, spec: PoolSpec) -> tuple[list[int], list[Connection]]:
-        """Fork ``spec.world_size`` ranks: their pids and connections.
+    def fork(self, spec: PoolSpec,
+             dynamo: bool = True) -> tuple[list[int], list[Connection], bool]:
+        """Fork ``spec.world_size`` ranks: their pids, connections, and whether they have
+        ``torch._dynamo`` (``dynamo``: the job needs it, so the zygote preloads it first if it
+        has not yet; :mod:`labkit.runtime.preload`).
 
         Interrupted once the zygote is forking, it still takes the zygote's answer (for at most
         ``_REAP_S``) to kill and reap what was forked, so the zygote stays warm; a zygote that
         fails, or does not answer, is closed with every rank it forked."""
         self.gpu_count()
-        self.sock.send(pickle.dumps((FORK, spec)))
+        self.sock.send(pickle.dumps((FORK, spec, dynamo)))
         try:
             return self._forked(_START_S)
         except KeyboardInterrupt:
             with Interrupts.deferred():
                 try:
-                    pids, conns = self._forked(_REAP_S)
+                    pids, conns, _ = self._forked(_REAP_S)
                     self.kill(pids, conns)
                 except BaseException:  # noqa: BLE001 - no answer: the zygote goes instead
                     self.close()
@@ -261,14 +264,14 @@ class Zygote:
             self.close()
             raise
 
-    def _forked(self, limit: float) -> tuple[list[int], list[Connection]]:
+    def _forked(self, limit: float) -> tuple[list[int], list[Connection], bool]:
         deadline = time.monotonic() + limit
         while True:
             got = self._recv(max(0.0, deadline - time.monotonic()))
             if got is None:
                 raise LabkitError("the rank launcher did not fork the ranks")
             if got[0][0] == FORKED:
-                return got[0][1], [Connection(fd) for fd in got[1]]
+                return got[0][1], [Connection(fd) for fd in got[1]], got[0][2]
 
     def kill(self, pids: list[int], conns: list[Connection]) -> None:
         """SIGKILL these ranks and wait until this zygote has reaped them all."""
@@ -305,11 +308,11 @@ class Zygote:
 class Pool:
     """``world_size`` warm ranks with a process group, forked from one zygote."""
 
-    def __init__(self, zygote: Zygote, spec: PoolSpec):
+    def __init__(self, zygote: Zygote, spec: PoolSpec, dynamo: bool = True):
         self.zygote, self.spec, self.healthy = zygote, spec, True
         self.dir = os.path.join(zygote.dir, f"pool-{time.monotonic_ns()}")
         os.makedirs(self.dir)
-        self.pids, self.conns = zygote.fork(spec.with_dir(self.dir))
+        self.pids, self.conns, self.dynamo = zygote.fork(spec.with_dir(self.dir), dynamo)
         self.jobs, self.last_used = 0, time.monotonic()
         try:
             self._rendezvous(min(_START_S, max(30.0, spec.timeout)))
@@ -339,13 +342,16 @@ class Pool:
             f"rank {rank} of {len(self.conns)} failed to start its process group "
             f"({self.spec.backend}): {self.zygote.log_tail()}")
 
-    def reusable(self, zygote: Zygote, spec: PoolSpec) -> bool:
+    def reusable(self, zygote: Zygote, spec: PoolSpec, dynamo: bool = False) -> bool:
+        """Whether a job of ``spec`` can run here (``dynamo``: it needs torch._dynamo, which
+        ranks forked before the zygote's preload lack: a fresh pool gets it for all at once)."""
         try:
             self.zygote.drain()
         except LabkitError:  # the launcher went away (idle timeout): so did the ranks
             return False
         fresh_enough = time.monotonic() - self.last_used < spec.idle_timeout - 5
         return (zygote is self.zygote and spec == self.spec and self.healthy and fresh_enough
+                and (self.dynamo or not dynamo)
                 and not any(p in self.zygote.exits for p in self.pids))
 
     def run_job(self, payload: bytes, deadline: float, trace: bool = False) -> JobResult:

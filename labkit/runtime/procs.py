@@ -244,8 +244,17 @@ def _sweep(token: str) -> list[int]:
                 p.kill()
             except psutil.Error:
                 pass
-        psutil.wait_procs(left, timeout=_REAP_S)
+        _wait_dead(left, _REAP_S)
     return killed
+
+
+def _wait_dead(procs: list[psutil.Process], timeout: float) -> None:
+    """Wait until each process is dead: gone, or a zombie. A killed process that is not our
+    child (a rank whose launcher died first) is reaped by init, and in a container init may
+    take seconds to do it; ``psutil.wait_procs`` would wait for that, though nothing runs."""
+    end = time.monotonic() + timeout
+    while any(_alive(p) for p in procs) and time.monotonic() < end:
+        time.sleep(0.005)
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

@@ -6,8 +6,10 @@ Both ends import their vocabulary from here (:mod:`labkit.runtime.pool` is the n
 Notebook ↔ zygote (a SOCK_SEQPACKET socket; rank sockets travel with SCM_RIGHTS)::
 
     zygote → notebook   (HELLO, pid, gpu_count)        torch imported, ready to fork
-    notebook → zygote   (FORK, PoolSpec)               fork world_size ranks
-    zygote → notebook   (FORKED, [pid, ...]) + fds     one socket per rank
+    notebook → zygote   (FORK, PoolSpec, dynamo)       fork world_size ranks (dynamo: the job
+                                                       needs torch._dynamo, labkit.runtime.preload)
+    zygote → notebook   (FORKED, [pid, ...], dynamo) + fds  one socket per rank; dynamo: the
+                                                       ranks have torch._dynamo imported
     zygote → notebook   (EXIT, pid, wait_status)       a rank was reaped
 
 Notebook ↔ rank r (a socket pair, multiprocessing Connection framing)::

@@ -28,6 +28,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from . import preload
 from .procs import die_with_parent, signal_all
 from .protocol import DONE, EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec
 
@@ -70,14 +71,14 @@ def zygote_main(fd: int) -> None:
 def _serve(ctrl: socket.socket, children: set[int], wake_r: int, wake_w: int,
            idle_s: float) -> None:
     """Fork ranks on request until the kernel goes, asks us to exit, or we were idle long."""
-    preloaded = False
+    preloaded, quiet = False, preload.IDLE_S
     while True:
-        ready, _, _ = select.select([ctrl, wake_r], [], [], idle_s if preloaded else 0.25)
+        ready, _, _ = select.select([ctrl, wake_r], [], [], idle_s if preloaded else quiet)
         if not ready and not preloaded:
-            # First idle moment: preload torch._dynamo, which DistributedDataParallel and the
-            # first torch.optim step import (~2 s of CPU in every fresh rank otherwise). Not
-            # before "hello": the kernel may still be busy importing.
-            preloaded = _preload_dynamo()
+            # The first idle moment: preload torch._dynamo (labkit.runtime.preload) for every
+            # later rank. Not before "hello": the kernel may still be busy importing.
+            preload.preload_dynamo()
+            preloaded = True
             continue
         if not ready and not children:
             return  # idle: the kernel starts a new zygote when it needs one
@@ -91,26 +92,23 @@ def _serve(ctrl: socket.socket, children: set[int], wake_r: int, wake_w: int,
             return
         msg = pickle.loads(data)
         if msg[0] == FORK:
-            # A job asked for before the first idle moment (Run All, a script): import
-            # torch._dynamo here once rather than in each of its ranks at once (on 2 cores,
-            # a cold first job of 4 DDP ranks took 9-10 s that way, 4.5-5.5 s this way; a
-            # job that never needs it waits ~2 s more, which the first idle moment would
-            # spend anyway).
-            preloaded = preloaded or _preload_dynamo()
-            conns, pids = _fork_ranks(msg[1], ctrl, wake_r, wake_w)
+            spec, wanted = msg[1], msg[2]
+            if wanted and not preloaded:
+                # A job that needs it, asked for before the first idle moment (Run All, a
+                # script): import it here once rather than in each of its ranks at once (on 2
+                # cores a cold first job of 4 DDP ranks took 9-10 s that way, 4.5-5.5 s this way).
+                preload.preload_dynamo()
+                preloaded = True
+            conns, pids = _fork_ranks(spec, ctrl, wake_r, wake_w)
             children.update(pids)
+            quiet = preload.IDLE_AFTER_FORK_S     # their job first
             try:
-                _send(ctrl, (FORKED, pids), [c.fileno() for c in conns])
+                _send(ctrl, (FORKED, pids, preloaded), [c.fileno() for c in conns])
             finally:
                 for c in conns:
                     c.close()
         elif msg[0] == EXIT:
             return
-
-
-def _preload_dynamo() -> bool:
-    import torch._dynamo  # noqa: F401
-    return True
 
 
 def _probe_gpus() -> int:
