@@ -22,11 +22,12 @@ import time
 import traceback
 from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 
 from .errors import LabkitError
 from .pickling import ValueNotLoadable, load_value, with_sources
 from .procs import Tree, signal_all
-from .protocol import EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec
+from .protocol import EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec, output_paths
 from .result import JobResult, RankResult
 from .stacks import parse_stack, where_stuck
 
@@ -357,14 +358,14 @@ class Pool:
     def run_job(self, payload: bytes, deadline: float, trace: bool = False) -> JobResult:
         self.jobs += 1
         n = len(self.conns)
-        files = [(os.path.join(self.dir, f"job{self.jobs}-rank{r}.out"),
-                  os.path.join(self.dir, f"job{self.jobs}-rank{r}.err")) for r in range(n)]
+        files = [output_paths(self.dir, r) for r in range(n)]
         ranks = [RankResult(rank=r, pid=self.pids[r]) for r in range(n)]
         pending, died = set(range(n)), set()
-        job = dict(payload=payload, cwd=os.getcwd(), sys_path=list(sys.path), trace=trace)
-        for r, conn in enumerate(self.conns):
+        job = ForkingPickler.dumps((JOB, dict(payload=payload, cwd=os.getcwd(),
+                                              sys_path=list(sys.path), trace=trace)))
+        for conn in self.conns:
             try:
-                conn.send((JOB, dict(job, stdout=files[r][0], stderr=files[r][1])))
+                conn.send_bytes(job)
             except OSError:
                 pass  # a dead rank: its EOF is read below
         end = time.monotonic() + deadline
@@ -435,12 +436,6 @@ def _read(path: str) -> str:
             return f.read()
     except OSError:
         return ""
-    finally:
-        if path.endswith((".out", ".err")):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
 
 
 def _fill(rank: RankResult, report: dict) -> None:

@@ -130,6 +130,7 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
+@functools.lru_cache(maxsize=512)      # a cell's function is run again and again
 def _code_needs(code: types.CodeType) -> bool:
     """An import of, or an attribute named like, something on the lists."""
     for ins in dis.get_instructions(code):

@@ -17,17 +17,22 @@ Notebook ↔ rank r (a socket pair, multiprocessing Connection framing)::
     rank 0 → notebook   (PORT, port)                   rank 0's TCPStore listens here
     notebook → rank r   (PORT, port)                   for r > 0
     rank → notebook     (READY, pid)                   process group initialised
-    notebook → rank     (JOB, {payload, cwd, sys_path, stdout, stderr, trace})
+    notebook → rank     (JOB, {payload, cwd, sys_path, trace})   the same bytes to every rank
     rank → notebook     (DONE, report)                 see labkit.runtime.zygote
+
+A rank's output during a job goes to its two files in the pool's folder (:func:`output_paths`),
+emptied when a job starts and read by the notebook once the rank is done.
 
 ``trace`` (bool): record the rank's collectives (labkit.runtime.commtrace); the report then
 carries ``trace`` (a list of record dicts) and ``trace_dropped``.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
-__all__ = ["HELLO", "FORK", "FORKED", "EXIT", "PORT", "READY", "JOB", "DONE", "PoolSpec"]
+__all__ = ["HELLO", "FORK", "FORKED", "EXIT", "PORT", "READY", "JOB", "DONE", "PoolSpec",
+           "output_paths"]
 
 HELLO, FORK, FORKED, EXIT = "hello", "fork", "forked", "exit"
 PORT, READY, JOB, DONE = "port", "ready", "job", "done"
@@ -49,3 +54,8 @@ class PoolSpec:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def output_paths(folder: str, rank: int) -> tuple[str, str]:
+    """Where rank ``rank`` of the pool in ``folder`` writes its stdout and stderr."""
+    return os.path.join(folder, f"rank{rank}.out"), os.path.join(folder, f"rank{rank}.err")

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 
 from . import preload
 from .procs import die_with_parent, signal_all
-from .protocol import DONE, EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec
+from .protocol import DONE, EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec, output_paths
 
 
 def _send(sock: socket.socket, msg, fds=()) -> None:
@@ -179,6 +179,8 @@ def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)  # SIGSEGV/SIGABRT: stack in stderr
     stack_file = open(os.path.join(spec.dir, f"rank{rank}.stack"), "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    outputs = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+               for path in output_paths(spec.dir, rank)]
     torch.set_num_threads(spec.threads)
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout, wait_for_workers=False)
@@ -201,7 +203,7 @@ def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
             break
         if msg[0] != JOB:
             break
-        report = _run_job(msg[1], rank, world_size, devnull)
+        report = _run_job(msg[1], rank, world_size, devnull, outputs)
         report["pg_alive"] = dist.is_initialized()
         torch.set_num_threads(spec.threads)
         conn.send((DONE, report))
@@ -214,17 +216,21 @@ def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
     os._exit(0)
 
 
-def _run_job(job: dict, rank: int, world_size: int, devnull: int) -> dict:
+def _run_job(job: dict, rank: int, world_size: int, devnull: int, outputs: list[int]) -> dict:
     import cloudpickle
     import torch
 
-    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
-        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for fd, out in zip((1, 2), outputs):   # emptied: the notebook read the last job's output
+        os.ftruncate(out, 0)
         os.dup2(out, fd)
-        os.close(out)
     os.chdir(job["cwd"])
     sys.path[:] = job["sys_path"]
-    torch.seed()  # like a fresh process: forked ranks would otherwise share one RNG state
+    # Fresh seeds, as a fresh process has (forked ranks would otherwise share one RNG state):
+    # the CPU generator's, and CUDA's once this rank uses CUDA (torch.seed() does the same, and
+    # queues calls for every device type, 20 times slower).
+    seed = torch.default_generator.seed()
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
     random.seed()
     report: dict = {"status": "ok"}
     recorder = _recorder(rank) if job.get("trace") else None

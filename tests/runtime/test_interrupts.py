@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 
 import psutil
 import pytest
@@ -88,7 +89,8 @@ STAGES = {
     "pickle": (launch, "pickle_job", None, hangs, {}),
     "fork": (Zygote, "_forked", None, hangs, dict(fresh=True)),
     "rendezvous": (Pool, "_rendezvous", None, hangs, dict(fresh=True)),
-    "send": (Connection, "send", lambda conn, msg: msg[0] == JOB, hangs, {}),
+    "send": (Connection, "send_bytes", lambda conn, buf: ForkingPickler.loads(buf)[0] == JOB,
+             hangs, {}),
     "results": (pool_module, "_fill", None, quick, {}),
     "stack dump": (Pool, "_dump_stack", None, hangs, dict(deadline=1)),
 }

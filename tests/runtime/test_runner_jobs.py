@@ -86,6 +86,21 @@ def test_output_is_captured_per_rank_and_echoed_in_rank_order(capsys):
     assert all(w > 0.0 for w in res.wall_s)
 
 
+def test_a_warm_rank_s_output_holds_its_last_job_only():
+    """A rank writes every job's output to the same two files, emptied when a job starts."""
+    def long(rank, world_size):
+        print("x" * 5000)
+        os.write(2, b"y" * 3000)
+
+    def short(rank, world_size):
+        print("ok")
+
+    first = lk.run(long, world_size=2, echo=False)
+    second = lk.run(short, world_size=2, echo=False)
+    assert not second.cold and second.ranks[0].pid == first.ranks[0].pid
+    assert second.stdout == ["ok\n", "ok\n"] and second.stderr == ["", ""]
+
+
 def test_warm_ranks_are_reused_and_fresh_ones_on_request():
     pids = lambda **kw: lk.run(lambda r, w: os.getpid(), world_size=2, echo=False, **kw)  # noqa: E731
     first = pids()
