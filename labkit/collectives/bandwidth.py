@@ -2,7 +2,8 @@
 
 Reports what nccl-tests reports (NVIDIA/nccl-tests: doc/PERFORMANCE.md):
 
-* **time** — median over runs of the slowest rank's time for one all-reduce;
+* **time** — median over runs of the slowest rank's time for one all-reduce (a run of a small
+  message is a few back-to-back calls, their mean: :func:`_calls`);
 * **algbw** = S / time (S: the tensor's bytes);
 * **busbw** = algbw · 2(N-1)/N — the bytes each rank's link really carried per second in a
   bandwidth-optimal all-reduce, so it compares across world sizes and with the link speed.
@@ -34,9 +35,9 @@ from ..common.tables import Col
 from ..common.tables import table as text_table
 from ..runtime import run
 
-__all__ = ["measure", "table", "ratios", "plot", "fit", "fit_alpha_beta", "link_text", "predict", "at_scale", "scale_table",
-           "plot_scale", "main",
-           "IMPLS", "SIZES", "FULL_SIZES", "LINKS", "cluster_link", "fmt_bytes"]
+__all__ = ["measure", "table", "ratios", "paired", "plot", "fit", "fit_alpha_beta", "link_text",
+           "predict", "at_scale", "scale_table", "plot_scale", "main", "IMPLS", "SIZES",
+           "FULL_SIZES", "LINKS", "cluster_link", "fmt_bytes"]
 
 KiB, MiB, GiB = 2 ** 10, 2 ** 20, 2 ** 30
 IMPLS = ("dist.all_reduce", "ring", "naive")
@@ -82,11 +83,20 @@ def fmt_bytes(n: float) -> str:
 
 
 def _iters(nbytes: int) -> int:
-    return 20 if nbytes <= 64 * KiB else 10 if nbytes <= MiB else 5 if nbytes <= 16 * MiB else 3
+    return 20 if nbytes <= 64 * KiB else 10 if nbytes <= MiB else 12   # 12: paired ratios
+
+
+def _calls(nbytes: int) -> int:
+    """Back-to-back calls timed as one run: a run of at least ~16 MiB moved (at most 8 calls),
+    so that the skew between ranks leaving the barrier (~1 ms here) is not the measurement."""
+    return max(1, min(8, -(-16 * MiB // nbytes)))
 
 
 def _bench_job(rank: int, world_size: int, nbytes: int, impls: tuple, iters: int):
-    """In every rank: time each implementation ``iters`` times (interleaved), after 1 warm-up."""
+    """In every rank: time each implementation ``iters`` times after 1 warm-up, interleaved
+    and in alternating order (A B C, C B A, ...), so each run of one has a run of the others
+    beside it in time (paired ratios) and none is always first after the barrier. A run is
+    :func:`_calls` back-to-back calls; its time is their mean."""
     import time
 
     import torch
@@ -97,19 +107,22 @@ def _bench_job(rank: int, world_size: int, nbytes: int, impls: tuple, iters: int
     fns = {"dist.all_reduce": dist.all_reduce, "ring": ring_all_reduce, "naive": naive_all_reduce}
     cuda = uses_nccl()
     t = torch.ones(nbytes // 4, device=torch.device("cuda", rank) if cuda else "cpu")
+    calls = _calls(nbytes)
     times = {name: [] for name in impls}
     for i in range(iters + 1):
-        for name in impls:
+        for name in impls if i % 2 else impls[::-1]:
             t.fill_(1.0)
             dist.barrier()
             t0 = time.perf_counter()
-            fns[name](t)
+            for _ in range(calls):
+                fns[name](t)
             if cuda:
                 torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            if t[0].item() != world_size or t[-1].item() != world_size:
+            dt = (time.perf_counter() - t0) / calls
+            want = world_size ** calls                 # each call sums: 1 -> N -> N^2 ...
+            if t[0].item() != want or t[-1].item() != want:
                 raise RuntimeError(f"{name} gave {t[0].item()} on rank {rank}, expected "
-                                   f"{world_size}: the benchmark would time a wrong result")
+                                   f"{want}: the benchmark would time a wrong result")
             if i:
                 times[name].append(dt)
     return times
@@ -126,8 +139,8 @@ def measure(sizes: Iterable[int] = SIZES, world_sizes: Iterable[int] = (2, 4),
         impls: any of :data:`IMPLS`.
         iters: timed runs per point (default: 20 for small messages down to 3 for 64 MiB).
 
-    Returns rows ``{world_size, impl, bytes, time_s, algbw, busbw, runs, backend}``
-    (bandwidths in GB/s).
+    Returns rows ``{world_size, impl, bytes, time_s, algbw, busbw, runs, runs_s, backend}``
+    (bandwidths in GB/s; ``runs_s``: each run's time, in the order run).
     """
     impls, sizes, world_sizes = tuple(impls), list(sizes), list(world_sizes)
     bad = [i for i in impls if i not in IMPLS]
@@ -146,35 +159,47 @@ def measure(sizes: Iterable[int] = SIZES, world_sizes: Iterable[int] = (2, 4),
             t = statistics.median(per_run)
             algbw = s / t / 1e9
             rows.append(dict(world_size=n, impl=name, bytes=s, time_s=t, algbw=algbw,
-                             busbw=algbw * 2 * (n - 1) / n, runs=k, backend=res.backend
-                             if hasattr(res, "backend") else backend))
+                             busbw=algbw * 2 * (n - 1) / n, runs=k, runs_s=per_run,
+                             backend=res.backend if hasattr(res, "backend") else backend))
         bar.update(1)
     bar.close()
     return rows
 
 
+def paired(row: dict, ref: dict) -> list[float]:
+    """``row``'s time / ``ref``'s, run by run (run i of each ran side by side), sorted; one
+    ratio of medians for rows without their runs."""
+    if row.get("runs_s") and ref.get("runs_s"):
+        return sorted(a / b for a, b in zip(row["runs_s"], ref["runs_s"]))
+    return [row["time_s"] / ref["time_s"]]
+
+
 def table(rows: list[dict]) -> str:
-    """The measurements as a text table, with the ring's time relative to dist.all_reduce."""
-    ref = {(r["world_size"], r["bytes"]): r["time_s"] for r in rows
-           if r["impl"] == "dist.all_reduce"}
+    """The measurements as a text table, with each time relative to dist.all_reduce's: the
+    median of the paired per-run ratios (their range in brackets)."""
+    ref = {(r["world_size"], r["bytes"]): r for r in rows if r["impl"] == "dist.all_reduce"}
 
     def rel(r: dict) -> str:
         base = ref.get((r["world_size"], r["bytes"]))
-        return f"{r['time_s'] / base:.2f}" if base else "-"
+        if base is None:
+            return "-"
+        p = paired(r, base)
+        return f"{statistics.median(p):.2f}" + (f" ({p[0]:.2f}-{p[-1]:.2f})" if len(p) > 1 else "")
     return text_table([Col("ranks", "world_size", ">5"),
                        Col("size", lambda r: fmt_bytes(r["bytes"]), ">8"),
                        Col("impl", "impl", "<16"),
                        Col("time ms", lambda r: r["time_s"] * 1e3, ">9.3f"),
                        Col("algbw GB/s", "algbw", ">11.3f"), Col("busbw GB/s", "busbw", ">11.3f"),
-                       Col("x dist", rel, ">7")], rows)
+                       Col("x dist (range)", rel, ">18")], rows)
 
 
 def ratios(rows: list[dict], impl: str = "ring", world_size: int = 2,
            min_bytes: int = MiB) -> list[float]:
-    """``impl``'s time / dist.all_reduce's, messages >= ``min_bytes`` on ``world_size`` ranks."""
-    ref = {r["bytes"]: r["time_s"] for r in rows
+    """``impl``'s time / dist.all_reduce's for each message >= ``min_bytes`` on ``world_size``
+    ranks: the median of the paired per-run ratios (:func:`paired`)."""
+    ref = {r["bytes"]: r for r in rows
            if r["impl"] == "dist.all_reduce" and r["world_size"] == world_size}
-    return [r["time_s"] / ref[r["bytes"]] for r in rows if r["impl"] == impl
+    return [statistics.median(paired(r, ref[r["bytes"]])) for r in rows if r["impl"] == impl
             and r["world_size"] == world_size and r["bytes"] >= min_bytes and r["bytes"] in ref]
 
 
@@ -407,12 +432,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rows = measure(a.sizes or (FULL_SIZES if a.full else SIZES), a.world_sizes,
                    iters=a.iters, backend=a.backend, progress=sys.stderr.isatty())
-    print(f"all-reduce of float32 tensors; time = median over runs of the slowest rank; "
-          f"busbw = algbw * 2(N-1)/N\n{table(rows)}\n")
-    r = ratios(rows)
+    print(f"all-reduce of float32 tensors; time = median over runs of the slowest rank (a run: "
+          f"up to 8 back-to-back calls, at least 16 MiB moved, their mean); "
+          f"busbw = algbw * 2(N-1)/N; x dist = median (range) of the per-run ratios to "
+          f"dist.all_reduce, the implementations run side by side in alternating order\n"
+          f"{table(rows)}\n")
+    r = ratios(rows, min_bytes=4 * MiB)
     if r:
-        print(f"ring / dist.all_reduce, messages >= 1 MiB on 2 ranks: "
-              f"{min(r):.2f}x .. {max(r):.2f}x (target <= 1.5x)\n")
+        print(f"ring / dist.all_reduce on 2 ranks, messages >= 4 MiB, median of paired runs: "
+              f"{min(r):.2f}x .. {max(r):.2f}x (target <= 1.2x)\n")
     for m in fit(rows):
         print(f"alpha-beta fit, ring on {m['world_size']} ranks: alpha = {m['alpha'] * 1e6:.1f} us"
               f"/step, {link_text(m)}, worst error {m['worst_error']:.0%}")

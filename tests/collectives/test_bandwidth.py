@@ -1,6 +1,8 @@
 """All-reduce benchmark and α–β model (labkit.collectives.bandwidth): timings printed, never asserted."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from labkit.collectives import bandwidth as bw
@@ -89,6 +91,21 @@ def test_table_ratios_and_sizes():
     assert bw.FULL_SIZES[0] == 4096 and bw.FULL_SIZES[-1] == 64 * MiB
 
 
+def test_ratios_pair_run_i_of_one_with_run_i_of_the_other():
+    """Run i of each ran side by side: the ratio is taken run by run, then the median (the
+    ratio of the medians here would be 3.0 / 2.0 = 1.5; the paired runs say 1.0 or 2.0)."""
+    rows = [dict(world_size=2, impl="dist.all_reduce", bytes=4 * MiB, time_s=2.0,
+                 runs_s=[1.0, 2.0, 4.0]),
+            dict(world_size=2, impl="ring", bytes=4 * MiB, time_s=3.0, runs_s=[2.0, 3.0, 4.0])]
+    for r in rows:
+        r.update(algbw=r["bytes"] / r["time_s"] / 1e9, busbw=r["bytes"] / r["time_s"] / 1e9)
+    assert bw.paired(rows[1], rows[0]) == [1.0, 1.5, 2.0]
+    assert bw.ratios(rows, min_bytes=4 * MiB) == [1.5]
+    rows[1]["runs_s"] = [4.0, 2.0, 3.0]                     # the same times, other pairs
+    assert bw.paired(rows[1], rows[0]) == [0.75, 1.0, 4.0]
+    assert bw.ratios(rows) == [1.0] and "1.00 (0.75-4.00)" in bw.table(rows)
+
+
 def test_measure_refuses_bad_arguments():
     with pytest.raises(ValueError, match="impls must come from"):
         bw.measure(impls=("ring", "tree"), progress=False)
@@ -103,7 +120,8 @@ def test_measure_runs_every_impl_and_reports_busbw():
     assert [(r["impl"], r["bytes"]) for r in rows] == [
         (i, s) for s in (4096, 65536) for i in bw.IMPLS]
     for r in rows:
-        assert r["time_s"] > 0 and r["runs"] == 2
+        assert r["time_s"] > 0 and r["runs"] == 2 and len(r["runs_s"]) == 2
+        assert r["time_s"] == pytest.approx(statistics.median(r["runs_s"]))
         assert r["algbw"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
         assert r["busbw"] == pytest.approx(r["algbw"] * 4 / 3)
     fig = bw.plot(rows, bw.fit(rows))
@@ -112,8 +130,8 @@ def test_measure_runs_every_impl_and_reports_busbw():
 
 @pytest.mark.timeout(120)
 def test_cli_prints_the_table_and_the_labelled_prediction(capsys):
-    assert bw.main(["--sizes", "4096", "1048576", "--world-sizes", "2", "--iters", "2",
+    assert bw.main(["--sizes", "4096", "4194304", "--world-sizes", "2", "--iters", "2",
                    "--backend", "gloo"]) == 0
     out = capsys.readouterr().out
-    assert "busbw GB/s" in out and "ring / dist.all_reduce" in out
+    assert "busbw GB/s" in out and "ring / dist.all_reduce on 2 ranks, messages >= 4 MiB" in out
     assert "alpha-beta fit, ring on 2 ranks" in out and "MODEL PREDICTION" in out

@@ -109,6 +109,30 @@ def test_matches_dist_all_reduce_on_every_case(n, algo):
             assert len({rows[r][i]["digest"] for r in range(n)}) == 1, name
 
 
+def _scratch_job(rank, world_size):
+    import torch.distributed as dist
+
+    from labkit.collectives import allreduce
+    out = []
+    for numel, dtype in ((1001, torch.float32), (37, torch.float32), (4001, torch.float32),
+                         (50, torch.float64), (2001, torch.int64)):
+        gen = torch.Generator().manual_seed(rank + numel)
+        x = torch.randint(1, 1000, (numel,), generator=gen).to(dtype)   # exact in any order
+        ours, ref = x.clone(), x.clone()
+        allreduce.ring_all_reduce(ours)
+        dist.all_reduce(ref)
+        out.append(bool(torch.equal(ours, ref)))
+    return out, sorted(str(k[1]) for k in allreduce._SCRATCH)
+
+
+@pytest.mark.timeout(60)
+def test_the_kept_receive_buffer_serves_calls_of_every_size_and_dtype():
+    """The reduce-scatter receives into a buffer kept between calls (per device and dtype):
+    calls of growing, shrinking and other dtypes in a row still sum exactly."""
+    res = lk.run(_scratch_job, 3, backend="gloo", timeout=30, echo=False)
+    assert res.values == [([True] * 5, ["torch.float32", "torch.float64", "torch.int64"])] * 3
+
+
 def _two_rank_random(rank, world_size, algo):
     import torch.distributed as dist
     torch.manual_seed(rank)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import labkit as lk
+from labkit.runtime import procs
 from labkit.runtime.preload import needs_dynamo
 
 # The claim (torch 2.13, CPU, gloo): what imports torch._dynamo in a fresh process and what does
@@ -62,11 +63,11 @@ _CLAIM = textwrap.dedent(r"""
 
 
 def test_the_apis_on_the_list_import_dynamo_and_plain_work_does_not():
-    out = subprocess.run([sys.executable, "-c", _CLAIM], capture_output=True,
-                         text=True, timeout=120)
-    got = dict(line.split() for line in out.stdout.splitlines())
+    code, out, err = procs.run("dynamo claim", [sys.executable, "-c", _CLAIM], 120,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    got = dict(line.split() for line in out.splitlines())
     assert got == {"plain": "False", "ddp": "True", "sgd": "True", "fsdp": "True",
-                   "dtensor": "True", "checkpoint": "True"}, out.stderr[-3000:]
+                   "dtensor": "True", "checkpoint": "True"}, err[-3000:]
 
 
 def _cell(source: str) -> dict:
