@@ -108,8 +108,9 @@ def _exchange(out, right: int, target, left: int, add: bool, trace, step: int, s
     """One ring step: send ``out`` to the right while the same-sized chunk comes from the left,
     added into ``target`` (``add``: reduce-scatter) or written straight into it (all-gather).
 
-    The receive is posted before the send (a message that finds no receive waiting stalls gloo's
-    connection until one is posted). On NCCL the pair goes in one ``batch_isend_irecv`` group:
+    The receive is posted before the send: gloo moves no data until the receiver has posted its
+    receive (the sender waits for its "ready to receive" notice), so posting it first lets the
+    transfer start sooner. On NCCL the pair goes in one ``batch_isend_irecv`` group:
     two ranks that each queue a lone send first can wait for each other forever.
     """
     import torch.distributed as dist
@@ -138,9 +139,11 @@ _SCRATCH: dict = {}
 
 
 def _scratch(like):
-    """A receive buffer shaped like ``like``, kept between calls (per device and dtype), as gloo
-    and NCCL keep theirs: a fresh 32 MiB buffer on every call cost 8192 new pages, a quarter of
-    a 64 MiB all-reduce's time on 2 ranks."""
+    """A receive buffer shaped like ``like``, kept between calls (per device and dtype): a fresh
+    32 MiB buffer on every call cost 8192 new 4 KiB pages, a quarter of a 64 MiB all-reduce's
+    time on 2 ranks. (gloo instead bounds its scratch to two segments of at most 1 MiB; NCCL keeps
+    fixed per-peer buffers.) One caller at a time: the ring is synchronous and not thread-safe;
+    the largest chunk seen stays allocated for the life of the rank."""
     key = (like.device, like.dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < like.numel():

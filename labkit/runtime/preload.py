@@ -2,16 +2,19 @@
 
 ``DistributedDataParallel``'s constructor, every ``torch.optim`` step, FSDP2, DTensor, tensor
 parallelism, pipelining and ``torch.utils.checkpoint`` import ``torch._dynamo`` in torch 2.13
-(tests/runtime/test_preload.py checks each): about a second of CPU in a fresh process, and four
+(tests/runtime/test_preload.py checks DDP, the optimizer, FSDP2, DTensor and checkpointing):
+about a second of CPU in a fresh process on the reference machine, and four
 ranks importing it at once on two cores take several. So the zygote imports it once, at its
 first idle moment, and ranks forked after that have it for free.
 
 A job that arrives before that moment (a script, Run All) would wait for it. :func:`needs_dynamo`
-reads the job's code (no pickling, no import) and answers False only when everything it names is
-known not to import ``torch._dynamo`` — plain tensors, ``torch.distributed``'s collectives and
-point-to-point ops, ``torch.nn`` layers, autograd, the standard library. Then the ranks are forked
-at once. Any doubt (a lesson helper, a module of the learner's, a name on the list below) answers
-True, so the worst a wrong guess costs is the ranks importing it themselves, never a wrong result.
+reads the job's code (no pickling, no import) and answers False only when everything it names
+looks free of ``torch._dynamo`` — plain tensors, ``torch.distributed``'s collectives and
+point-to-point ops, ``torch.nn`` layers, autograd, the standard library. Then the ranks are
+forked without waiting for it. Any doubt (a lesson helper, a module of the learner's, a name on
+the list below, a dynamic import) answers True. It reads names, so it can be fooled
+(``getattr(torch, "optim")``, a script path given to ``runpy``, a layer's hook): then each rank
+imports it itself, as a fresh process would — slower, the same result.
 A warm pool forked without it is replaced when a later job needs it (:mod:`labkit.runtime.launch`).
 """
 from __future__ import annotations
@@ -29,13 +32,15 @@ _MODULES = ("torch.optim", "torch.nn.parallel", "torch.distributed.fsdp", "torch
             "torch.distributed._tensor", "torch.distributed.device_mesh", "torch.distributed.optim",
             "torch.distributed.pipelining", "torch.distributed._composable",
             "torch.distributed.algorithms", "torch.distributed.checkpoint", "torch.utils.checkpoint",
-            "torch._dynamo", "torch.compiler", "torch._inductor", "torch.export", "torch.func")
+            "torch._dynamo", "torch.compiler", "torch._inductor", "torch.export", "torch.func",
+            "torch.nn.attention")
 # Attribute names that reach those modules from ``torch`` (``torch.optim.SGD``, ``m.compile``).
 _NAMES = frozenset({"optim", "parallel", "DistributedDataParallel", "fsdp", "fully_shard",
                     "FullyShardedDataParallel", "distribute_tensor", "distribute_module", "DTensor",
                     "device_mesh", "init_device_mesh", "DeviceMesh", "pipelining", "checkpoint",
                     "compile", "_dynamo", "compiler", "parallelize_module", "export", "func",
-                    "ZeroRedundancyOptimizer", "vmap", "jit"})
+                    "ZeroRedundancyOptimizer", "vmap", "jit", "attention", "flex_attention",
+                    "import_module", "__import__", "exec", "eval", "run_path", "run_module"})
 _PLAIN_ARGS = (type(None), bool, int, float, complex, str, bytes, range, slice)
 
 # The zygote preloads after this long without a message: before its first fork (the kernel may
@@ -50,7 +55,7 @@ def preload_dynamo() -> None:
 
 
 def needs_dynamo(fn, args: tuple = (), kwargs: dict | None = None) -> bool:
-    """False only when the job provably names nothing that imports ``torch._dynamo``."""
+    """False only when nothing the job names is known or suspected to import ``torch._dynamo``."""
     seen: set[int] = set()
     try:
         return any(_needs(x, seen, 0) for x in (fn, *args, *(kwargs or {}).values()))

@@ -130,7 +130,8 @@ def test_the_kept_receive_buffer_serves_calls_of_every_size_and_dtype():
     """The reduce-scatter receives into a buffer kept between calls (per device and dtype):
     calls of growing, shrinking and other dtypes in a row still sum exactly."""
     res = lk.run(_scratch_job, 3, backend="gloo", timeout=30, echo=False)
-    assert res.values == [([True] * 5, ["torch.float32", "torch.float64", "torch.int64"])] * 3
+    for ok, keys in res.values:          # earlier jobs in the same pool may have added keys
+        assert ok == [True] * 5 and {"torch.float32", "torch.float64", "torch.int64"} <= set(keys)
 
 
 def _two_rank_random(rank, world_size, algo):
