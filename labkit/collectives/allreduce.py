@@ -136,14 +136,19 @@ def _exchange(out, right: int, target, left: int, add: bool, trace, step: int, s
 
 
 _SCRATCH: dict = {}
+KEEP_BYTES = 1 << 20      # chunks from this size on get the kept buffer; smaller ones a fresh one
 
 
 def _scratch(like):
     """A receive buffer shaped like ``like``, kept between calls (per device and dtype): a fresh
     32 MiB buffer on every call cost 8192 new 4 KiB pages, a quarter of a 64 MiB all-reduce's
     time on 2 ranks. (gloo instead bounds its scratch to two segments of at most 1 MiB; NCCL keeps
-    fixed per-peer buffers.) One caller at a time: the ring is synchronous and not thread-safe;
-    the largest chunk seen stays allocated for the life of the rank."""
+    fixed per-peer buffers.) Only chunks of KEEP_BYTES or more: a small model's rank holds no
+    tensor beyond its own (the tensor-parallel checker counts every live one). One caller at a
+    time: the ring is synchronous and not thread-safe; the largest chunk seen stays allocated
+    for the life of the rank."""
+    if like.numel() * like.element_size() < KEEP_BYTES:
+        return like.new_empty(like.numel())        # small: the allocator reuses its memory
     key = (like.device, like.dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < like.numel():
