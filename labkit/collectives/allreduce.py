@@ -52,12 +52,13 @@ def ring_all_reduce(tensor, op: Any = "sum", *, trace: RankTrace | None = None):
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     chunks = flat.tensor_split(n)                     # views; sizes differ by at most 1
     right, left = (rank + 1) % n, (rank - 1) % n
+    buf = _scratch(chunks[0]) if n > 1 else None     # chunk 0 is the largest
     if trace is not None:
         trace.start(flat)
     for step, (send_c, recv_c) in enumerate(_ring_chunks(rank, n), start=1):
         scatter = step <= n - 1                       # reduce-scatter (add), then all-gather
-        _exchange(chunks[send_c], right, chunks[recv_c], left, scatter, trace, step, send_c,
-                  recv_c)
+        _exchange(chunks[send_c], right, chunks[recv_c], left, buf if scatter else None, trace,
+                  step, send_c, recv_c)
         if trace is not None:
             trace.snapshot()
     return _finish(tensor, flat, mean, n)
@@ -103,10 +104,11 @@ def _ring_chunks(rank: int, n: int):
         yield (rank + 1 - s) % n, (rank - s) % n
 
 
-def _exchange(out, right: int, target, left: int, add: bool, trace, step: int, send_c: int,
+def _exchange(out, right: int, target, left: int, buf, trace, step: int, send_c: int,
               recv_c: int) -> None:
     """One ring step: send ``out`` to the right while the same-sized chunk comes from the left,
-    added into ``target`` (``add``: reduce-scatter) or written straight into it (all-gather).
+    received into ``buf`` and added into ``target`` (reduce-scatter: ``buf`` given) or written
+    straight into ``target`` (all-gather: ``buf`` None).
 
     The receive is posted before the send: gloo moves no data until the receiver has posted its
     receive (the sender waits for its "ready to receive" notice), so posting it first lets the
@@ -114,7 +116,8 @@ def _exchange(out, right: int, target, left: int, add: bool, trace, step: int, s
     two ranks that each queue a lone send first can wait for each other forever.
     """
     import torch.distributed as dist
-    incoming = _scratch(target) if add else target
+    add = buf is not None
+    incoming = buf[:target.numel()] if add else target
     ops = [op for op in ((dist.irecv, incoming, left), (dist.isend, out, right)) if op[1].numel()]
     if not ops:                                       # empty chunks (tensor shorter than N)
         return

@@ -27,7 +27,8 @@ from multiprocessing.reduction import ForkingPickler
 from .errors import LabkitError
 from .pickling import ValueNotLoadable, load_value, with_sources
 from .procs import Tree, signal_all
-from .protocol import EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec, output_paths
+from .protocol import (EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec,
+                       output_paths, stack_path)
 from .result import JobResult, RankResult
 from .stacks import parse_stack, where_stuck
 
@@ -406,7 +407,7 @@ class Pool:
         return JobResult(world_size=n, backend=self.spec.backend, ranks=ranks)
 
     def _dump_stack(self, rank: int) -> str:
-        path = os.path.join(self.dir, f"rank{rank}.stack")
+        path = stack_path(self.dir, rank)
         open(path, "w").close()
         try:
             os.kill(self.pids[rank], signal.SIGUSR1)

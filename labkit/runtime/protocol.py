@@ -32,7 +32,7 @@ import os
 from dataclasses import asdict, dataclass
 
 __all__ = ["HELLO", "FORK", "FORKED", "EXIT", "PORT", "READY", "JOB", "DONE", "PoolSpec",
-           "output_paths"]
+           "output_paths", "stack_path"]
 
 HELLO, FORK, FORKED, EXIT = "hello", "fork", "forked", "exit"
 PORT, READY, JOB, DONE = "port", "ready", "job", "done"
@@ -59,3 +59,8 @@ class PoolSpec:
 def output_paths(folder: str, rank: int) -> tuple[str, str]:
     """Where rank ``rank`` of the pool in ``folder`` writes its stdout and stderr."""
     return os.path.join(folder, f"rank{rank}.out"), os.path.join(folder, f"rank{rank}.err")
+
+
+def stack_path(folder: str, rank: int) -> str:
+    """Where rank ``rank`` of the pool in ``folder`` dumps its threads' stacks on SIGUSR1."""
+    return os.path.join(folder, f"rank{rank}.stack")

@@ -30,7 +30,8 @@ from multiprocessing.connection import Connection
 
 from . import preload
 from .procs import die_with_parent, signal_all
-from .protocol import DONE, EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec, output_paths
+from .protocol import (DONE, EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec,
+                       output_paths, stack_path)
 
 
 def _send(sock: socket.socket, msg, fds=()) -> None:
@@ -177,7 +178,7 @@ def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0, closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0, closefd=False), write_through=True)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # SIGSEGV/SIGABRT: stack in stderr
-    stack_file = open(os.path.join(spec.dir, f"rank{rank}.stack"), "w")
+    stack_file = open(stack_path(spec.dir, rank), "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     outputs = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                for path in output_paths(spec.dir, rank)]
