@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -28,7 +29,11 @@ def _own_gloo_group(t):
     stale keys, and the new group then waits for ranks that are gone; a name built from the
     pool's port collided when the OS gave a later pool the same port): rank 0 draws a fresh name
     and hands it to the others through the job's TCPStore (a key-value server, not a
-    collective: the flight recorder and the TCP counters leave it out).
+    collective: the flight recorder and the TCP counters leave it out). The group is let go only
+    when every rank is through with it, counted on the same store: on an empty tensor gloo's
+    allreduce sends nothing, and a rank that dropped its group at once closed the sockets a slower
+    peer was still connecting ("Gloo connectFullMesh failed ... Connection closed by peer",
+    3 jobs in 120 under load).
     """
     import uuid
 
@@ -44,6 +49,9 @@ def _own_gloo_group(t):
     pg = c10d.ProcessGroupGloo(dist.FileStore(os.path.join(tempfile.gettempdir(), name), n),
                                rank, n, datetime.timedelta(seconds=20))
     pg.allreduce([t]).wait()
+    store.add(f"{key}-done", 1)
+    while store.add(f"{key}-done", 0) < n:
+        time.sleep(0.001)
 
 
 def _functional(t):

@@ -85,12 +85,16 @@ def _stuck(res) -> bool:
     return any(r.status == "hung" or "Timed out" in (r.error or "") for r in res.ranks)
 
 
+# What a rank raises when a peer went first: gloo's sockets to it closed, or rank 0's process
+# (the job's TCPStore server) ended.
+_ECHOES = ("Connection closed", "Connection reset", "Connection was likely closed")
+
+
 def _failure(res):
     """The rank whose failure explains the job: a timeout or own error, not a peer's echo."""
     failed = [r for r in res.ranks if not r.ok]
     for good in (lambda r: r.status == "hung" or "Timed out" in (r.error or ""),
-                 lambda r: "Connection closed" not in (r.error or "")
-                 and "Connection reset" not in (r.error or "")):
+                 lambda r: not any(echo in (r.error or "") for echo in _ECHOES)):
         pick = [r for r in failed if good(r)]
         if pick:
             return pick[0]
