@@ -361,7 +361,7 @@ class Pool:
         n = len(self.conns)
         files = [output_paths(self.dir, r) for r in range(n)]
         ranks = [RankResult(rank=r, pid=self.pids[r]) for r in range(n)]
-        pending, died = set(range(n)), set()
+        pending, died, reported = set(range(n)), set(), {}
         job = ForkingPickler.dumps((JOB, dict(payload=payload, cwd=os.getcwd(),
                                               sys_path=list(sys.path), trace=trace)))
         for conn in self.conns:
@@ -382,6 +382,7 @@ class Pool:
                     with Interrupts.immediate():
                         _, report = self.conns[r].recv()
                         _fill(ranks[r], report)
+                        reported[r] = report["output_bytes"]
                     self.healthy &= report.get("pg_alive", True)
                 except (EOFError, OSError):
                     died.add(r)
@@ -399,8 +400,10 @@ class Pool:
             self.kill(keep_files=True)
         for r in died:
             _fill_exit(ranks[r], self.zygote.exits.get(self.pids[r]))
-        for r, (out, err) in enumerate(files):
-            ranks[r].stdout, ranks[r].stderr = _read(out), _read(err)
+        for r, paths in enumerate(files):   # a rank that reported says which files hold text
+            sizes = reported.get(r, (1, 1))
+            ranks[r].stdout, ranks[r].stderr = (_read(p) if size else ""
+                                                for p, size in zip(paths, sizes))
         if failed:
             shutil.rmtree(self.dir, ignore_errors=True)
         self.last_used = time.monotonic()

@@ -121,6 +121,42 @@ def test_each_job_reseeds_ranks_like_fresh_processes():
     assert a != b
 
 
+def test_device_seeding_is_queued_before_any_job_and_a_job_s_own_seed_replaces_it():
+    """The rank seeds every device type once at its start: CUDA's seeding waits in torch's
+    lazy queue (CPU build included), so a job's torch.manual_seed replaces that entry instead
+    of creating it inside the job, where the exercise checkers' census would count it."""
+    def queued(rank, world_size):
+        import torch
+
+        before = torch.cuda._lazy_seed_tracker.manual_seed_all_cb
+        torch.manual_seed(0)
+        after = torch.cuda._lazy_seed_tracker.manual_seed_all_cb
+        return before is not None, after is not before, torch.initial_seed()
+
+    first = lk.run(queued, world_size=2, echo=False, fresh=True)
+    again = lk.run(queued, world_size=2, echo=False)
+    assert not again.cold
+    assert [v[:2] for v in first.values + again.values] == [(True, True)] * 4
+    assert {v[2] for v in first.values} == {0}
+
+
+def test_ranks_and_their_threads_run_under_batch_scheduling_unless_turned_off():
+    """SCHED_BATCH: a woken rank does not preempt the notebook's kernel as it hands out a job."""
+    def policies(rank, world_size):
+        import threading
+
+        seen = [os.sched_getscheduler(0)]
+        worker = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+        worker.start()
+        worker.join()
+        return seen
+
+    assert lk.run(policies, world_size=2, echo=False).values == [[os.SCHED_BATCH] * 2] * 2
+    assert lk.run(policies, world_size=2, echo=False, env={"LABKIT_BATCH_RANKS": "0"}).values \
+        == [[os.SCHED_OTHER] * 2] * 2
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER     # the notebook's process is not touched
+
+
 def test_per_job_environment_gets_fresh_processes():
     def f(rank, world_size):
         import torch.distributed as dist
