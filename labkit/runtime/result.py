@@ -67,7 +67,8 @@ class RankResult:
 # (labkit.diagnosis.findings) read errors with these two lists and nothing else.
 ECHOES = ("Connection closed", "Connection reset by peer", "Read error", "Broken pipe",
           "Connection refused", "failed to pass monitoredBarrier, but received errors",
-          "received errors while waiting")
+          "received errors while waiting",
+          "Connection was likely closed")   # the TCPStore's: rank 0's process (its server) ended
 TIMEOUTS = ("Timed out waiting", "timed out", "Socket Timeout", "Timeout waiting")
 
 

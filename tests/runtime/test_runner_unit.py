@@ -9,7 +9,7 @@ import pytest
 import labkit as lk
 from labkit.runtime.errors import error_for
 from labkit.runtime.pickling import with_sources
-from labkit.runtime.result import JobResult, RankResult
+from labkit.runtime.result import JobResult, RankResult, error_kind
 from labkit.runtime.stacks import Frame, parse_stack, where_stuck
 
 
@@ -193,3 +193,16 @@ def test_describe_each_status():
     assert RankResult(0, "exited", exitcode=3).describe() == \
         "rank 0 exited with code 3 before returning"
     assert RankResult(1, "hung", where="x").describe() == "rank 1 was stuck in x"
+
+
+@pytest.mark.parametrize("error", [
+    "RuntimeError: Connection closed by peer [127.0.0.1]:4242",
+    # rank 0's process hosts the job's TCPStore: when it ends, a peer in store.get reads this
+    "DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did the "
+    "remote server shutdown or crash?",
+])
+def test_a_peer_s_echo_is_not_taken_for_the_first_failure(error):
+    cause = RankResult(0, "raised", error="RuntimeError: Gloo connectFullMesh failed", t_fail=2.0)
+    echo = RankResult(1, "raised", error=error, t_fail=1.0)
+    assert error_kind(error) == "echo"
+    assert str(error_for(_result(cause, echo))).startswith("rank 0 ")

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from ...grading.exercise import Case, NotDone
 from ...runtime import run
+from ...runtime.result import error_kind
 from .cases import CASES, TRAFFIC, case_tensor, compare_job
 from ..trace import Trace
 
@@ -85,16 +86,11 @@ def _stuck(res) -> bool:
     return any(r.status == "hung" or "Timed out" in (r.error or "") for r in res.ranks)
 
 
-# What a rank raises when a peer went first: gloo's sockets to it closed, or rank 0's process
-# (the job's TCPStore server) ended.
-_ECHOES = ("Connection closed", "Connection reset", "Connection was likely closed")
-
-
 def _failure(res):
     """The rank whose failure explains the job: a timeout or own error, not a peer's echo."""
     failed = [r for r in res.ranks if not r.ok]
     for good in (lambda r: r.status == "hung" or "Timed out" in (r.error or ""),
-                 lambda r: not any(echo in (r.error or "") for echo in _ECHOES)):
+                 lambda r: error_kind(r.error or "") != "echo"):
         pick = [r for r in failed if good(r)]
         if pick:
             return pick[0]
