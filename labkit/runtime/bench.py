@@ -211,8 +211,13 @@ def _cell(lc: str):
         t = row["times"].get(lc)
         if not t:
             return "-"
-        return f"{statistics.median(t):.3f} ({min(t):.3f}-{max(t):.3f})"
+        return f"{_s(statistics.median(t))} ({_s(min(t))}-{_s(max(t))})"
     return show
+
+
+def _s(seconds: float) -> str:
+    """Three decimals, four below 0.1 s: a repeated job's milliseconds keep two digits."""
+    return f"{seconds:.4f}" if seconds < 0.1 else f"{seconds:.3f}"
 
 
 def _ratio(row: dict) -> str:
@@ -224,7 +229,7 @@ def _ratio(row: dict) -> str:
 def launch_table(rows: list[dict], repeat: int, settle: float, jobs: int) -> str:
     """The table (written here: the runtime sits below ``common.tables`` in the layers)."""
     launchers = [lc for lc in LAUNCHERS if installed(lc)]
-    head = [f"{'ranks':>5}", f"{'mode':<18}", *(f"{lc + ' s':>22}" for lc in launchers),
+    head = [f"{'ranks':>5}", f"{'mode':<18}", *(f"{lc + ' s':>25}" for lc in launchers),
             f"{'lk / best':>9}"]
     lines = [f"seconds, median (min-max) of {repeat} runs, launchers' order alternating; cold: "
              f"a fresh process timed whole by its parent; first in a kernel: after the first "
@@ -235,7 +240,7 @@ def launch_table(rows: list[dict], repeat: int, settle: float, jobs: int) -> str
     lines.append(" ".join(head))
     for r in rows:
         lines.append(" ".join([f"{r['ranks']:>5}", f"{r['mode']:<18}",
-                               *(f"{_cell(lc)(r):>22}" for lc in launchers), f"{_ratio(r):>9}"]))
+                               *(f"{_cell(lc)(r):>25}" for lc in launchers), f"{_ratio(r):>9}"]))
     return "\n".join(lines)
 
 

@@ -23,7 +23,7 @@ def test_table_shows_median_spread_missing_cells_and_the_ratio_to_the_best_peer(
     rows = [{"ranks": 4, "mode": "repeated",
              "times": {"lk.run": [0.004, 0.002, 0.003], "fork": [0.12], "accelerate": [0.2]}}]
     text = bench.launch_table(rows, 3, 5, 5)
-    assert "0.003 (0.002-0.004)" in text and "0.03x" in text     # 0.003 / 0.12 (fork, best)
+    assert "0.0030 (0.0020-0.0040)" in text and "0.03x" in text  # 0.003 / 0.12 (fork, best)
     assert "ipyparallel: not installed" in text and "ipyparallel s" not in text
     line = text.splitlines()[-1]
     assert line.split()[4] == "-"                                # mp.spawn's cell
