@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..runtime import run
+from ..grading.references import reference
 from .trace import RankTrace, Trace, now, tracing
 
 __all__ = ["ring_all_reduce", "naive_all_reduce", "ring_schedule", "expected_traffic",
@@ -38,6 +39,7 @@ __all__ = ["ring_all_reduce", "naive_all_reduce", "ring_schedule", "expected_tra
 
 
 # ------------------------------------------------------------------ the algorithms
+@reference
 def ring_all_reduce(tensor, op: Any = "sum", *, trace: RankTrace | None = None):
     """Chunked ring all-reduce of ``tensor`` in place (call it inside a rank); returns it.
 
@@ -64,6 +66,7 @@ def ring_all_reduce(tensor, op: Any = "sum", *, trace: RankTrace | None = None):
     return _finish(tensor, flat, mean, n)
 
 
+@reference
 def naive_all_reduce(tensor, op: Any = "sum", *, trace: RankTrace | None = None):
     """All-reduce through rank 0, in place: it receives every tensor, adds, sends the sum back.
 

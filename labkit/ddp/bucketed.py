@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.timeline import Timeline, now
+from ..grading.references import reference
 from .naive import ReplicatedModule
 
 __all__ = ["assign_buckets", "BucketedDDP"]
@@ -131,6 +132,7 @@ class BucketedDDP(ReplicatedModule):
         while self._next < len(self._buckets) and self._buckets[self._next].is_full():
             self._launch(self._next)             # strictly in bucket order, on every rank
 
+    @reference
     def _launch(self, b: int) -> None:
         bucket = self._buckets[b]
         offset = 0
@@ -160,6 +162,7 @@ class BucketedDDP(ReplicatedModule):
             flags[self._order[pid]] = 1
         return flags, dist.all_reduce(flags, group=self.group, async_op=True)
 
+    @reference
     def finish_gradient_synchronization(self) -> None:
         """Launch any bucket still waiting, wait for all, and write the averages into ``.grad``.
 

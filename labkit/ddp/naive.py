@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.ranks import require_process_group
+from ..grading.references import reference
 
 __all__ = ["broadcast_parameters", "average_gradients", "ReplicatedModule", "NaiveDDP"]
 
@@ -41,6 +42,7 @@ def broadcast_parameters(module: nn.Module, src: int = 0, group=None) -> None:
             dist.broadcast(t.data, src=src, group=group)
 
 
+@reference
 def average_gradients(module: nn.Module, group=None) -> int:
     """Step 5 the simple way: all-reduce every gradient (sum) and divide by the world size.
 
@@ -119,6 +121,7 @@ class NaiveDDP(ReplicatedModule):
     def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True) -> None:
         super().__init__(module, group, broadcast_buffers)
 
+    @reference
     def finish_gradient_synchronization(self) -> None:
         """All-reduce and average every gradient (skipped inside :meth:`no_sync`)."""
         if self._sync:

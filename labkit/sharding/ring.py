@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..grading.references import reference
+
 __all__ = ["ring_reduce_scatter", "ring_all_gather"]
 
 
@@ -52,6 +54,7 @@ def _swap(send: torch.Tensor, right: int, recv: torch.Tensor, left: int) -> None
         w.wait()
 
 
+@reference
 def ring_reduce_scatter(flat: torch.Tensor) -> torch.Tensor:
     """Sum ``flat`` over all ranks and return this rank's chunk of the sum (a new tensor).
 
@@ -73,6 +76,7 @@ def ring_reduce_scatter(flat: torch.Tensor) -> torch.Tensor:
     return chunks[rank]
 
 
+@reference
 def ring_all_gather(shard: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Concatenate every rank's ``shard`` in rank order, on every rank; returns the full tensor.
 

@@ -8,7 +8,9 @@ whose only flaw is the traffic run on 3. The classes of shortcut, and the tests 
   rank draws per grading, so state kept from an earlier call holds nothing of this one
   (``reads_the_oracle`` keeps none and still fails);
 * the library doing the work: ``test_a_collective_by_any_route_fails_every_case``
-  (dist.*, the group object, its backend, a group of its own, all_gather);
+  (dist.*, the group object, its backend, a group of its own, all_gather), and
+  ``test_the_lab_s_own_all_reduce_fails_every_case`` (lk's ring, its naive version, notebook
+  06's reduce-scatter and all-gather: point-to-point underneath, so only their marks show);
 * a copied oracle: ``reads_the_oracle`` (the checker's own case generator);
 * a side channel: the same test's ``from_a_thread``, and
   ``test_a_side_channel_fails_every_case`` (the process group's TCPStore, a file in /tmp);
@@ -210,6 +212,38 @@ def test_a_collective_by_any_route_fails_every_case(fn):
     used = "all_gather" if fn is gather_then_add else "all_reduce"
     for name, detail in failed.items():
         assert f"ran a collective ({used})" in detail, (name, detail)
+
+
+def lab_ring(tensor):
+    return lk.collectives.ring_all_reduce(tensor)
+
+
+def lab_naive(tensor):
+    from labkit.collectives.allreduce import naive_all_reduce as mine
+    return mine(tensor)
+
+
+def lab_halves(tensor):
+    """Notebook 06's ring halves: reduce-scatter, then all-gather, on a flat copy."""
+    from labkit.sharding.ring import ring_all_gather, ring_reduce_scatter
+    flat = tensor.reshape(-1).clone()
+    n = dist.get_world_size()
+    pad = torch.cat([flat, flat.new_zeros((-flat.numel()) % n)])
+    whole = ring_all_gather(ring_reduce_scatter(pad))[:flat.numel()]
+    tensor.copy_(whole.view_as(tensor))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn, name", [(lab_ring, "collectives.allreduce.ring_all_reduce"),
+                                      (lab_naive, "collectives.allreduce.naive_all_reduce"),
+                                      (lab_halves, "sharding.ring.ring_all_gather, lk's "
+                                                   "sharding.ring.ring_reduce_scatter")])
+def test_the_lab_s_own_all_reduce_fails_every_case(fn, name):
+    cases, failed = _failed(fn)
+    assert len(failed) == len(cases)
+    for case, detail in failed.items():
+        assert "the lab's own implementation did the work" in detail and name in detail, \
+            (case, detail)
 
 
 @pytest.mark.timeout(60)

@@ -7,7 +7,7 @@ import cloudpickle
 import pytest
 
 import labkit as lk
-from labkit.ddp import BucketedDDP, NaiveDDP
+from labkit.ddp import BucketedDDP, NaiveDDP, ReplicatedModule
 from labkit.ddp.check import check_average_gradients, check_ddp_wrapper
 
 from conftest import assert_no_ranks_left
@@ -98,11 +98,26 @@ def test_a_stub_reports_not_done_through_lk_exercise():
     assert score.status == "not done", score
 
 
+class AfterBackward(ReplicatedModule):
+    """Right numbers, every gradient averaged after backward: no overlap."""
+
+    def finish_gradient_synchronization(self):
+        right(self.module)
+
+
 def test_the_wrapper_check_demands_overlap():
-    assert all(c.passed for c in check_ddp_wrapper(lambda m: BucketedDDP(m, bucket_cap_mb=0),
-                                                   world_sizes=(2, 3)))
-    naive = check_ddp_wrapper(NaiveDDP, world_sizes=(2,))
+    naive = check_ddp_wrapper(AfterBackward, world_sizes=(2,))
     assert not naive[0].passed and "no overlap" in naive[0].detail
+
+
+def test_the_lab_s_own_wrappers_are_refused_by_name():
+    """lk's BucketedDDP overlaps and is right: it passed every case before the checker counted
+    the lab's own implementations (labkit.grading.references)."""
+    for cls, name in ((lambda m: BucketedDDP(m, bucket_cap_mb=0), "BucketedDDP._launch"),
+                      (NaiveDDP, "NaiveDDP.finish_gradient_synchronization")):
+        case = check_ddp_wrapper(cls, world_sizes=(2,))[0]
+        assert not case.passed and "the lab's own implementation did the work" in case.detail
+        assert name in case.detail, case.detail
 
 
 def test_no_rank_outlives_the_checks():

@@ -9,9 +9,8 @@ backward counted as overlap. The classes of shortcut, and the answers that feed 
   ``DecoyOverlap`` (a zero tensor kept in a closure is what overlaps, the real averaging comes
   after backward);
 * the library doing the work: ``TorchDDPInside``, and ``TorchDDPBehindDecoys`` (torch's DDP
-  hidden in a closure, decoy all-reduces during backward); n.a. for average_gradients: it is
-  called after backward, where no library object can average for it but a collective, which
-  is the exercise;
+  hidden in a closure, decoy all-reduces during backward); the lab's own: ``lab_average``
+  (``lk.ddp.average_gradients``), ``NaiveDDP`` and an overlapping ``BucketedDDP``;
 * a copied oracle: ``reads_the_oracle`` (the checker's own oracle module), and
   ``ReadsTheOracle`` for the wrapper;
 * a side channel: ``through_the_store`` (the gradients averaged through the process group's
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.ddp import NaiveDDP
+from labkit.ddp import BucketedDDP, NaiveDDP, ReplicatedModule
 from labkit.ddp.check import check_average_gradients, check_ddp_wrapper
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # ranks cannot import this file
@@ -98,7 +97,15 @@ def through_the_store(model):
     _store_average([p.grad for p in model.parameters() if p.grad is not None])
 
 
+def lab_average(model):
+    """The lab's own reference, under another name."""
+    from labkit.ddp import average_gradients as mine
+    mine(model)
+
+
 @pytest.mark.parametrize("answer, failing, words", [
+    (lab_average, ["2 ranks", "3 ranks"],
+     "the lab's own implementation did the work (lk's ddp.naive.average_gradients ran"),
     (through_the_store, ["2 ranks", "3 ranks"], "side channel: the gradients are right"),
     (reads_the_oracle, ["2 ranks", "3 ranks"], "differs from the oracle"),
     (averages_a_copy, ["2 ranks", "3 ranks"], "still this rank's local gradient"),
@@ -153,7 +160,14 @@ class Reseeds(OverlapDDP):
         super().__init__(module, broadcast="none")
 
 
-class TokenOverlap(NaiveDDP):
+class HandAveraged(ReplicatedModule):
+    """Step 1 by the lab's ReplicatedModule, the averaging after backward by hand: no overlap."""
+
+    def finish_gradient_synchronization(self):
+        solution(self.module)
+
+
+class TokenOverlap(HandAveraged):
     """A 1-element async all-reduce during backward to look overlapped; the real work after."""
 
     def __init__(self, module):
@@ -182,7 +196,7 @@ class NeverWaits(OverlapDDP):
         self.handles.clear()
 
 
-class DecoyOverlap(NaiveDDP):
+class DecoyOverlap(HandAveraged):
     """Zeros of every gradient's size, kept in a closure, all-reduced during backward to look
     overlapped; the real (synchronous) averaging after backward."""
 
@@ -260,7 +274,11 @@ class TorchDDPInside(nn.Module):
     (lambda m: OverlapDDP(m, broadcast="parameters"), "rank 1's buffer `shift` is still its own"),
     (lambda m: OverlapDDP(m, src=1), "rank 0's parameter `embed.weight` is not the one rank 0"),
     (Reseeds, "rank 0's parameter `embed.weight` is not the one rank 0"),
-    (NaiveDDP, "no all_reduce was launched with async_op=True during backward"),
+    (HandAveraged, "no all_reduce was launched with async_op=True during backward"),
+    (NaiveDDP, "(lk's ddp.naive.NaiveDDP.finish_gradient_synchronization, lk's "
+               "ddp.naive.average_gradients ran"),
+    (lambda m: BucketedDDP(m, bucket_cap_mb=0), "(lk's ddp.bucketed.BucketedDDP._launch, lk's "
+                                                "ddp.bucketed.BucketedDDP.finish_gradient"),
     (TokenOverlap, "only 3 of the 108 gradient elements were all-reduced asynchronously"),
     (NeverWaits, "without waiting for 3 all-reduce handle(s)"),
     (Summed, "you summed the gradients"),

@@ -3,8 +3,9 @@
 Each case of :data:`~labkit.collectives.check.cases.CASES` runs on real ranks
 (:func:`~labkit.collectives.check.cases.compare_job`), on 2, 3 and 4 of them; on 3 and 4 the
 traffic case checks that each rank sends at most 2(N-1)/N·S bytes. A case passes only when
-every rank's result equals ``dist.all_reduce``'s, the ranks agree bit for bit, and no
-collective ran while the answer did. What the checker trusts (:mod:`labkit.grading.watch`):
+every rank's result equals ``dist.all_reduce``'s, the ranks agree bit for bit, no collective
+ran while the answer did, and neither did the lab's own ring (``lk.collectives.ring_all_reduce``
+and the other :func:`~labkit.grading.references.reference` implementations). What the checker trusts (:mod:`labkit.grading.watch`):
 every rank draws its inputs from a secret only it holds, so no rank can know another's tensor
 without receiving it; gloo's flight recorder lists any collective the answer reached, whatever
 the route; bytes come from the kernel's TCP counters of gloo's sockets (the TCPStore's left
@@ -21,6 +22,7 @@ import re
 from typing import Any, Callable
 
 from ...grading.exercise import Case, NotDone
+from ...grading.references import reference_problem
 from ...runtime import run
 from ...runtime.result import error_kind
 from .cases import CASES, TRAFFIC, case_tensor, compare_job
@@ -151,11 +153,15 @@ def _last_case(stdout: str) -> str | None:
 
 
 def _watched_problem(mine: list[dict]) -> str | None:
-    """Why a case fails whatever its numbers: a rank unwatched, a collective it ran, or a right
-    result with fewer bytes sent on gloo's sockets than the rank's own tensor holds."""
+    """Why a case fails whatever its numbers: a rank unwatched, the lab's own all-reduce called,
+    a collective it ran, or a right result with fewer bytes sent on gloo's sockets than the
+    rank's own tensor holds."""
     for r, row in enumerate(mine):
         if row.get("unwatched"):
             return f"cannot verify on rank {r}: {row['unwatched']}"
+    lab = reference_problem([n for row in mine for n in row.get("references", ())])
+    if lab:
+        return lab
     for r, row in enumerate(mine):
         if row["collectives"]:
             used = ", ".join(sorted({c.split(":")[-1] for c in row["collectives"]}))

@@ -19,6 +19,7 @@ import os
 import zlib
 from typing import Any, Callable
 
+from ...grading.references import references_used
 from ...grading.watch import Watch
 
 __all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job"]
@@ -65,7 +66,8 @@ def compare_job(rank: int, world_size: int, fn: Callable, names: list[str], op: 
     the result. A row: case, ok, status ("ok", "wrong", "not done"), detail, digest (a hash of
     the result: all ranks must agree), and, when ``watch``: sent (bytes this rank's TCP sockets
     sent while ``fn`` ran), collectives (those gloo ran meanwhile), unwatched (why the rank
-    could not be watched, or ""). With ``watch`` the inputs come from a secret each rank draws
+    could not be watched, or ""), references (the lab's own all-reduces ``fn`` called,
+    :mod:`labkit.grading.references`). With ``watch`` the inputs come from a secret each rank draws
     for itself, and 3+ ranks add the :data:`TRAFFIC` case. Each row is also printed as an
     ``@labkit-row`` line, so the rows done survive a later case that raises or hangs. A case
     that raises ends the loop with an error naming it, so peers waiting for this rank fail fast.
@@ -86,11 +88,12 @@ def compare_job(rank: int, world_size: int, fn: Callable, names: list[str], op: 
         if watcher:
             watcher.start()
         try:
-            outs = [_call(fn, t.clone(), op) for t in inputs]
+            with references_used() as lab:       # lk's own ring doing the work
+                outs = [_call(fn, t.clone(), op) for t in inputs]
         except NotImplementedError:
             rows.append(dict(case=name, ok=False, status="not done", detail="NotImplementedError",
                              digest=0, sent=0, collectives=[], unwatched="", numel=x.numel(),
-                             element_size=x.element_size()))
+                             element_size=x.element_size(), references=[]))
             print("@labkit-row " + json.dumps(rows[-1]), flush=True)
             break
         except Exception as exc:
@@ -101,7 +104,7 @@ def compare_job(rank: int, world_size: int, fn: Callable, names: list[str], op: 
         rows.append(dict(case=name, ok=ok, status="ok" if ok else "wrong", detail=detail,
                          digest=_digest(outs[-1]), numel=x.numel(), element_size=x.element_size(),
                          sent=seen["sent"], collectives=seen["collectives"],
-                         unwatched=seen["error"]))
+                         unwatched=seen["error"], references=lab))
         print("@labkit-row " + json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -16,6 +16,8 @@ Graded in the style of Stanford CS336 assignment 2, but stricter:
   (not a token all-reduce, and not a decoy: what those all-reduces carry must be this rank's
   gradients, by their sum of squares), and every handle is waited for before the optimizer
   step;
+* **not the lab's own**: ``lk.ddp.average_gradients``, ``NaiveDDP`` and ``BucketedDDP`` are
+  counted when they run (:mod:`labkit.grading.references`); an answer that calls them fails;
 * **no side channel**: each rank counts the bytes its gloo sockets sent during each step
   (:func:`labkit.grading.watch.tcp_bytes_sent`, the TCPStore's sockets left out); a rank
   that sent less than its gradients hold got the average some other way (the store, a file);
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from ...grading.watch import store_port, tcp_bytes_sent
 from ...common.ranks import device
 from ...grading.exercise import Case
+from ...grading.references import reference_problem, references_used
 from ...runtime import run
 from ..naive import broadcast_parameters
 from .oracle import (LR, STEPS, TiedTiny, oracle_history, rank_batches, sgd_step,
@@ -102,18 +105,22 @@ def _rank_case(rank: int, world_size: int, answer, mode: str, steps: int, lr: fl
     spy = _Spy(dist.all_reduce)
     dist.all_reduce = spy
     try:
-        wrapped = answer(model) if mode == "wrapper" else model
+        with references_used() as used:          # the lab's own DDP doing the work
+            wrapped = answer(model) if mode == "wrapper" else model
+        lab = list(used)
         start = state_of(model)
         batches = rank_batches(rank, world_size, secret, steps)
         steps_out, port = [], store_port()
         for x, y in batches:
             first, sent = len(spy.calls), tcp_bytes_sent(port)
             model.zero_grad()
-            F.cross_entropy(wrapped(x.to(device())), y.to(device())).backward()
-            if mode == "wrapper":
-                wrapped.finish_gradient_synchronization()
-            else:
-                answer(model)
+            with references_used() as used:
+                F.cross_entropy(wrapped(x.to(device())), y.to(device())).backward()
+                if mode == "wrapper":
+                    wrapped.finish_gradient_synchronization()
+                else:
+                    answer(model)
+            lab += used
             grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
                      for n, p in model.named_parameters()}
             after = tcp_bytes_sent(port)
@@ -123,7 +130,8 @@ def _rank_case(rank: int, world_size: int, answer, mode: str, steps: int, lr: fl
                               "calls": [dict(c) for c in spy.calls[first:]]})
     finally:
         dist.all_reduce = spy.original
-    return {"before": before, "start": start, "batches": batches, "steps": steps_out}
+    return {"before": before, "start": start, "batches": batches, "steps": steps_out,
+            "references": sorted(set(lab))}
 
 
 def _diagnose(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
@@ -289,7 +297,8 @@ def _run_case(answer, mode: str, world_size: int, steps: int, lr: float):
     values = res.values
     shards = [[values[r]["batches"][s] for r in range(world_size)] for s in range(steps)]
     oracle = oracle_history(world_size, steps, lr, init=values[0]["before"], shards=shards)
-    problem = _start_problem(values, mode) or _compare(world_size, values, oracle) or \
+    problem = reference_problem([n for v in values for n in v["references"]]) or \
+        _start_problem(values, mode) or _compare(world_size, values, oracle) or \
         _side_channel_problem(values)
     if problem is None and mode == "wrapper":
         problem = _overlap_problem(values, oracle)
