@@ -45,10 +45,12 @@ def reference_problem(names) -> str | None:
 
 
 @contextmanager
-def references_used():
-    """Which :func:`reference` functions ran in the block, in this process (threads included)::
+def references_used(*prefixes: str):
+    """Which :func:`reference` functions whose names start with one of ``prefixes`` ran in the
+    block, in this process (threads included). An exercise forbids what does its own work and
+    no more (06's ZeRO-3 layer is built from the ring halves that 03's exercise may not use)::
 
-        with references_used() as used:
+        with references_used("labkit.ddp.") as used:
             answer(model)
         reference_problem(used)     # None, or why the case fails
     """
@@ -56,4 +58,5 @@ def references_used():
     try:
         yield used
     finally:
-        used[:] = sorted(n for n, k in _CALLS.items() if k > before.get(n, 0))
+        used[:] = sorted(n for n, k in _CALLS.items()
+                         if k > before.get(n, 0) and n.startswith(prefixes))

@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..grading.references import reference
+
 __all__ = ["copy_to_parallel", "reduce_from_parallel", "ColumnParallelLinear",
            "RowParallelLinear", "MegatronMLP", "label_layers", "TP_DIMS"]
 
@@ -38,11 +40,13 @@ TP_DIMS = (16, 64, 16)
 
 class _CopyToParallel(torch.autograd.Function):
     @staticmethod
+    @reference
     def forward(ctx, x, group):
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
+    @reference
     def backward(ctx, grad):
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)     # every slice's contribution to dL/dx
@@ -51,21 +55,25 @@ class _CopyToParallel(torch.autograd.Function):
 
 class _ReduceFromParallel(torch.autograd.Function):
     @staticmethod
+    @reference
     def forward(ctx, x, group):
         x = x.clone()
         dist.all_reduce(x, group=group)            # partial sums -> the full output
         return x
 
     @staticmethod
+    @reference
     def backward(ctx, grad):
         return grad, None                          # every rank already has the whole gradient
 
 
+@reference
 def copy_to_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's f: the input as is; in backward, the all-reduced gradient."""
     return _CopyToParallel.apply(x, group)
 
 
+@reference
 def reduce_from_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's g: the all-reduced sum of every rank's partial output; identity in backward."""
     return _ReduceFromParallel.apply(x, group)
@@ -90,6 +98,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
         self.bias = nn.Parameter(linear.bias.detach()[rows].clone())
 
+    @reference
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
 
@@ -105,6 +114,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
         self.bias = nn.Parameter(linear.bias.detach().clone())
 
+    @reference
     def forward(self, x_slice: torch.Tensor) -> torch.Tensor:
         return reduce_from_parallel(F.linear(x_slice, self.weight), self.group) + self.bias
 
@@ -115,6 +125,7 @@ class MegatronMLP(nn.Module):
     Rank 0's weights are broadcast first, so ranks that built different MLPs agree.
     """
 
+    @reference
     def __init__(self, mlp: nn.Sequential, group=None) -> None:
         super().__init__()
         fc1, act, fc2 = mlp
@@ -125,6 +136,7 @@ class MegatronMLP(nn.Module):
         self.act = act
         self.fc2 = RowParallelLinear(fc2, group)
 
+    @reference
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 

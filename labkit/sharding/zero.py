@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ddp.naive import broadcast_parameters
+from ..grading.references import reference
 from .memory import storage_bytes
 from .optim import adam_update, sgd_update
 from .ring import ring_all_gather, ring_reduce_scatter
@@ -274,6 +275,7 @@ class HandZero:
         momentum: SGD's momentum.
     """
 
+    @reference
     def __init__(self, model: nn.Module, stage: int, lr: float = 1e-2,
                  collectives: str = "ring", optimizer: str = "adam",
                  momentum: float = 0.0) -> None:
@@ -414,6 +416,7 @@ class HandZero:
             sgd_update(param, grad, state, self.lr, self.momentum)
 
     @torch.no_grad()
+    @reference
     def step(self) -> None:
         """After ``loss.backward()``: average the gradient shards, update the shards, regather."""
         missing = self._missing()                  # every rank raises before sending anything

@@ -27,14 +27,16 @@ def test_calls_in_the_block_are_named_from_any_thread_and_calls_outside_are_not(
         lk.collectives.ring_all_reduce(torch.ones(2))    # before the block: counted, not named
     except Exception:
         pass
-    with references_used() as used:
+    with references_used("labkit.collectives.") as used, \
+            references_used("labkit.ddp.") as elsewhere:
         worker = threading.Thread(target=_call_refusing, args=(lk.collectives.naive_all_reduce,))
         worker.start()
         worker.join()
     assert used == ["labkit.collectives.allreduce.naive_all_reduce"]
+    assert elsewhere == []           # an exercise forbids its own lesson's references only
     assert "lk's collectives.allreduce.naive_all_reduce ran inside your answer" in \
         reference_problem(used)
-    with references_used() as nothing:
+    with references_used("labkit.") as nothing:
         pass
     assert nothing == [] and reference_problem(nothing) is None
 

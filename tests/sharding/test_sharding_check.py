@@ -194,6 +194,35 @@ def test_parallelize_module_fails_the_hand_written_case():
     assert "parallelize_module" in failed(cases, "hand-written")
 
 
+class LabMegatron(lk.sharding.tensor_parallel.MegatronMLP):
+    """The lab's own Megatron MLP (§7's reference), under the exercise's name."""
+
+
+def test_the_lab_s_own_megatron_mlp_fails_every_case_naming_it():
+    """It is right, split and hand-written: every case passed before the checker counted the
+    lab's own implementations (labkit.grading.references)."""
+    cases = check_parallel_mlp(LabMegatron, world_sizes=(2,))
+    assert not any(c.passed for c in cases)
+    assert all("lk's sharding.tensor_parallel.ColumnParallelLinear.forward" in c.detail
+               for c in cases), cases
+
+
+def test_the_lab_s_hand_zero_is_forbidden_to_the_zero_exercises_and_the_ring_halves_are_not():
+    from labkit.sharding.check.jobs import LAB
+    from labkit.grading.references import references_used
+    assert lk.sharding.zero.HandZero.step.__qualname__ == "HandZero.step"
+    with references_used(*LAB["linear_job"]) as used:
+        try:
+            lk.sharding.zero.HandZero.step(None)        # counted on entry, then fails
+        except Exception:
+            pass
+        try:
+            lk.sharding.ring_all_gather(None)            # §3's halves: the solution's tools
+        except Exception:
+            pass
+    assert used == ["labkit.sharding.zero.HandZero.step"]
+
+
 def test_hidden_state_the_whole_mlp_kept_in_a_closure_fails_the_split_case():
     cases = check_parallel_mlp(A.ClosureFullMLP, world_sizes=(2,))
     assert passed(cases, "input gradient") and passed(cases, "hand-written")

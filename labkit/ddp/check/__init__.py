@@ -49,6 +49,7 @@ __all__ = ["TiedTiny", "shard_batches", "oracle_history", "check_average_gradien
            "check_ddp_wrapper", "WORLD_SIZES"]
 
 WORLD_SIZES = (2, 3, 4)
+_LAB = "labkit.ddp."     # the lab's own DDP (average_gradients, NaiveDDP, BucketedDDP)
 TIMEOUT_S = 3.0          # a collective waiting longer than this is a deadlock here
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -105,7 +106,7 @@ def _rank_case(rank: int, world_size: int, answer, mode: str, steps: int, lr: fl
     spy = _Spy(dist.all_reduce)
     dist.all_reduce = spy
     try:
-        with references_used() as used:          # the lab's own DDP doing the work
+        with references_used(_LAB) as used:
             wrapped = answer(model) if mode == "wrapper" else model
         lab = list(used)
         start = state_of(model)
@@ -114,7 +115,7 @@ def _rank_case(rank: int, world_size: int, answer, mode: str, steps: int, lr: fl
         for x, y in batches:
             first, sent = len(spy.calls), tcp_bytes_sent(port)
             model.zero_grad()
-            with references_used() as used:
+            with references_used(_LAB) as used:
                 F.cross_entropy(wrapped(x.to(device())), y.to(device())).backward()
                 if mode == "wrapper":
                     wrapped.finish_gradient_synchronization()

@@ -12,7 +12,9 @@ so that no shortcut passes (``tests/sharding/test_sharding_check.py`` feeds each
   (:class:`~labkit.grading.integrity.Census`: closures, defaults, globals, tensor attributes,
   kept graphs), not over the answer's attributes, so state or a full weight kept anywhere
   fails; so does a library object (``ZeroRedundancyOptimizer``, ``DTensor`` ...) or a whole
-  ordinary optimizer kept anywhere;
+  ordinary optimizer kept anywhere, and so does the lab's own implementation of the exercise
+  run from the answer (``HandZero``, ``lk.sharding``'s Megatron layers:
+  :mod:`labkit.grading.references`; the ring halves of §3 stay allowed);
 * what it *sends* is counted at the dispatcher (:class:`~.counting.CommCounter`): ZeRO-1's
   reduce-scatter and all-gather of the flat parameters, ZeRO-3's three ring halves, Megatron's
   one all-reduce each way — whose **contents** must be this rank's own partial sums, so a rank
@@ -36,6 +38,7 @@ import math
 import torch
 
 from ...grading.exercise import Case
+from ...grading.references import reference_problem
 from ...runtime import run
 from ...runtime.pickling import dumps
 from . import jobs as J
@@ -62,10 +65,11 @@ def _job(fn, world_size: int, answer, steps: int):
         blob = dumps(answer)              # loaded in the ranks after the census's baseline
     except Exception as exc:  # noqa: BLE001
         return None, f"the answer cannot be sent to the ranks: {type(exc).__name__}: {exc}"
-    res = run(fn, world_size, args=(blob, steps), timeout=TIMEOUT_S, deadline=TIMEOUT_S + 20,
-              check=False, echo=False)
+    res = run(J.watched, world_size, args=(fn.__name__, blob, steps), timeout=TIMEOUT_S,
+              deadline=TIMEOUT_S + 20, check=False, echo=False)
     if res.ok:
-        return res.values, None
+        lab = reference_problem([n for v in res.values for n in v["references"]])
+        return (None, lab) if lab else ([v["value"] for v in res.values], None)
     bad = res.first_failure()
     if bad.status == "raised" and (bad.error or "").startswith("NotImplementedError"):
         raise NotImplementedError("the answer still raises NotImplementedError")
