@@ -29,12 +29,12 @@ Bank format (TOML, one ``[[question]]`` table per question)::
     answer = "busbw"                  # the text of the right choice (multi: a list of texts)
 
     [[question]]                      # computed from the learner's own run
-    id = "03.master_received"
+    id = "04.stuck_rank"
     kind = "numeric"
-    prompt = "How many bytes did rank 0 receive in your naive run?"
-    variable = "q_master_received"
-    key = "labkit.collectives.check:master_bytes_received"  # called as key(naive_trace=...)
-    inputs = ["naive_trace"]          # notebook variables passed to the key, by name
+    prompt = "In your `mystery` run, which rank held the others up?"
+    variable = "q_stuck_rank"
+    key = "labkit.pitfalls.check:mystery_stuck_rank"  # called as key(mystery=...)
+    inputs = ["mystery"]              # notebook variables passed to the key, by name
 
     [[question]]                      # code: see labkit.grading.exercise
     id = "03.ring_all_reduce"

@@ -294,5 +294,13 @@ def test_a_cut_snapshot_fails_torch_load_without_naming_the_cause(tmp_path):
                                                      len(data) - 16)), seen
     assert seen[30_000] == seen[60_000] == "OSError: [Errno 22] Invalid argument", seen
 
+def test_max_restarts_defaults_to_zero():
+    """05 "The concept: agents, workers, rendezvous, restarts": “the flag defaults to 0, so by
+    default the first failure ends the job”. torchrun's own argument parser, without the flag."""
+    from torch.distributed.run import get_args_parser, parse_args
+    assert get_args_parser().parse_args(["train.py"]).max_restarts == 0
+    assert parse_args(["--nproc-per-node=8", "train.py"]).max_restarts == 0
+
+
 def test_the_lab_says_what_these_tests_show():
     _claims.check_quotes(sys.modules[__name__])

@@ -12,24 +12,21 @@ the route; bytes come from the kernel's TCP counters of gloo's sockets (the TCPS
 out), and a right result whose rank sent fewer bytes than its own tensor holds came through a
 side channel (the store, a file) and fails. A case the checker cannot verify fails and says
 why. Exposed as ``lk.collectives.CASES`` and ``lk.collectives.check_ring_exercise``.
-The quiz keys of notebook 03 (computed from the learner's own traced runs) are here too.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from typing import Any, Callable
+from typing import Callable
 
 from ...grading.exercise import Case, NotDone
 from ...grading.references import reference_problem
 from ...runtime import run
 from ...runtime.result import error_kind
 from .cases import CASES, TRAFFIC, case_tensor, compare_job
-from ..trace import Trace
 
-__all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job", "check_ring_exercise",
-           "master_bytes_received"]
+__all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job", "check_ring_exercise"]
 
 _HEADER_BYTES = 160        # gloo's framing per send/recv pair is 144 bytes (torch 2.13)
 
@@ -205,18 +202,3 @@ def _traffic(n: int, rows: list[list[dict]], res) -> tuple:
     return True, (f"each rank sent at most {most} bytes, counted on its TCP sockets "
                   f"(2(N-1)/N·S = {limit:.0f}, plus gloo's message headers)")
 
-
-# ------------------------------------------------------------- quiz keys (notebook 03)
-def master_bytes_received(naive_trace: Trace) -> int:
-    """Quiz key: bytes rank 0 received in the learner's traced naive run."""
-    _need(naive_trace, "naive_trace", ranks=2, steps=1)
-    return naive_trace.received(0)
-
-
-def _need(trace: Any, name: str, ranks: int, steps: int) -> None:
-    if not isinstance(trace, Trace):
-        raise ValueError(f"{name} is {type(trace).__name__}, not a Trace: run the cell that "
-                         f"records it (lk.collectives.record(...)) first.")
-    if trace.world_size < ranks or trace.steps < steps:
-        raise ValueError(f"{name} has {trace.world_size} ranks and {trace.steps} steps; this "
-                         f"question needs at least {ranks} ranks and {steps} steps.")
