@@ -100,7 +100,7 @@ def measure_overlap(world_size: int = 4, caps=DEFAULT_CAPS, width: int = 512, de
 
 
 def fastest_cap(overlap: dict) -> float:
-    """Quiz key (02.fastest_bucket): the ``bucket_cap_mb`` whose median step time was lowest.
+    """The ``bucket_cap_mb`` whose median step time was lowest (notebook 02 prints it).
 
     ``overlap`` is the notebook's result of :func:`measure_overlap`; the step time
     of a cap is its slowest rank (the step ends when the last rank finishes).
