@@ -3,6 +3,7 @@
     python -m labkit grade SUBMISSION...       # auto-grade notebooks (labkit.grading.grader)
     python -m labkit gradescope LESSON         # a Gradescope autograder zip (labkit.grading.gradescope)
     python -m labkit students [--check] [NN]   # student notebooks from solutions/ (labkit.grading.students)
+    python -m labkit site [--out DIR]          # the executed solved notebooks as a site (labkit.grading.site)
     python -m labkit export PROJECT DEST       # a project of the lab, as a folder of its own
     python -m labkit bench NAME [options]      # benchmarks that print tables (see `bench` alone)
     python -m labkit nccl-capture [SCENARIO]   # record real NCCL failure logs on a GPU machine
@@ -20,6 +21,7 @@ COMMANDS = {
     "grade": ("labkit.grading.grader", "auto-grade submitted notebooks"),
     "gradescope": ("labkit.grading.gradescope", "build a Gradescope autograder zip for a lesson"),
     "students": ("labkit.grading.students", "generate student notebooks from solutions/"),
+    "site": ("labkit.grading.site", "render the executed solved notebooks as a static site"),
     "export": ("labkit.common.projects", "write notebook 05's or 08's project into a folder"),
     "bench": (None, "benchmarks that print tables (run `bench` alone for the list)"),
     "nccl-capture": ("labkit.pitfalls.nccl_capture", "record real NCCL failure logs (GPU)"),

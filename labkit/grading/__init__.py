@@ -10,7 +10,10 @@
   each submission in a fresh kernel, scored with the bank's own key;
 * :mod:`~labkit.grading.students` — ``python -m labkit students``: student notebooks from
   ``solutions/``;
-* :mod:`~labkit.grading.pytest_plugin` — nbval runs grade each lesson notebook in its kernel.
+* :mod:`~labkit.grading.pytest_plugin` — nbval runs grade each lesson notebook in its kernel,
+  and leave each solved notebook's executed copy in ``build/executed/``;
+* :mod:`~labkit.grading.site` — ``python -m labkit site``: those copies and the cheat sheet as a
+  static site.
 
 The submodules load on demand (``lk.quiz``, ``lk.exercise``); this package imports nothing.
 """
