@@ -3,7 +3,7 @@
 * :mod:`~labkit.data_vs_model.drift` — replicas drifting apart without communication (§1);
 * :mod:`~labkit.data_vs_model.pipeline` — one model split over two ranks, its bubble (§3);
 * :mod:`~labkit.data_vs_model.memory` — memory per rank from real parameter counts (§4);
-* :mod:`~labkit.data_vs_model.check` — the exercise checker and the quiz key.
+* :mod:`~labkit.data_vs_model.check` — the exercise checker.
 
 ``lk.data_vs_model.X`` reaches the names below.
 """

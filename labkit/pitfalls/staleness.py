@@ -118,7 +118,7 @@ class PSRun:
 
 
 def mean_staleness(ps: PSRun) -> float:
-    """The average staleness of a run (a quiz key reads it from the learner's own run)."""
+    """The average staleness of a run: how many updates behind each applied gradient was."""
     return sum(ps.staleness) / max(1, len(ps.staleness))
 
 

@@ -5,7 +5,6 @@ import pytest
 
 import labkit as lk
 from labkit import data_vs_model as P
-from labkit.data_vs_model.check import idle_of_rank1
 from labkit.common.timeline import Timeline, align, busy_seconds, idle_fraction
 
 from conftest import assert_no_ranks_left
@@ -109,8 +108,3 @@ def test_measure_overlap_records_one_comm_span_per_bucket_on_every_rank():
     with pytest.raises(ValueError, match="measure_overlap"):
         overlap.fastest_cap(None)
 
-
-def test_idle_of_rank1_quiz_key():
-    assert idle_of_rank1({"idle": [0.4, 0.5234]}) == 0.523
-    with pytest.raises(ValueError, match="pipeline"):
-        idle_of_rank1([])

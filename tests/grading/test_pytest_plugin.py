@@ -10,7 +10,8 @@ import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
-ALL_RIGHT = {"q_what_is_a_rank": '"b"', "q_sum_of_ranks": "10", "q_cpu_backend": '"gloo"',
+WIDGET = "application/vnd.jupyter.widget-view+json"
+ALL_RIGHT = {"q_what_is_a_rank": '"b"', "q_all_reduce_twice": "18", "q_cpu_backend": '"gloo"',
              "q_job_result": '"ac"'}
 
 
@@ -23,24 +24,29 @@ def _notebook(folder, answers: dict) -> None:
 
 
 def _pytest(path) -> subprocess.CompletedProcess:
+    return _pytest_args(path)
+
+
+def _pytest_args(path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "--nbval-lax", "--nbval-current-env", "-p", "labkit.grading.pytest_plugin",
-                           "--rootdir", str(path), str(path)],
+                           "--rootdir", str(path), *args, str(path)],
                           capture_output=True, text=True, timeout=150, cwd=path,
-                          env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"})
+                          env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+                               **(env or {})})
 
 
 def test_a_solved_notebook_short_of_full_marks_fails_its_grade_item(tmp_path):
-    _notebook(tmp_path / "solutions", {**ALL_RIGHT, "q_sum_of_ranks": "11"})
+    _notebook(tmp_path / "solutions", {**ALL_RIGHT, "q_all_reduce_twice": "6"})
     out = _pytest(tmp_path)
     assert out.returncode == 1, out.stdout
     assert "00_setup.ipynb::grade" in out.stdout and "must score full marks" in out.stdout
-    assert "00.sum_of_ranks" in out.stdout and "00.cpu_backend" not in out.stdout
+    assert "00.all_reduce_twice" in out.stdout and "00.cpu_backend" not in out.stdout
 
 
 def test_a_full_marks_solution_passes_and_an_answered_student_notebook_fails(tmp_path):
     _notebook(tmp_path / "solutions", ALL_RIGHT)
-    _notebook(tmp_path / "notebooks", {"q_cpu_backend": '"gloo"', "q_sum_of_ranks": "None"})
+    _notebook(tmp_path / "notebooks", {"q_cpu_backend": '"gloo"', "q_all_reduce_twice": "None"})
     out = _pytest(tmp_path)
     assert "1 failed, 3 passed" in out.stdout, out.stdout
     assert "notebooks/00_setup.ipynb::grade" in out.stdout and "must score zero" in out.stdout
@@ -93,3 +99,58 @@ def test_the_grade_item_reuses_a_check_only_for_the_very_function_it_checked(tmp
     assert "91_redefined.ipynb::grade" in out.stdout and "returned 4" in out.stdout
     # two check cells (3, 3), one re-check of the redefined function (4): the kept one not re-run
     assert sorted(log.read_text().split()) == ["3", "3", "4"]
+
+
+def test_a_solved_notebook_leaves_an_executed_copy_with_its_outputs_and_a_header(tmp_path):
+    """The copy, written by the xdist worker that ran the notebook, holds this run's outputs (a
+    stream, a result, a PNG figure, a cell's error; a widget's view, whose state no page could
+    show, dropped), headed by when, where and with what it ran and which cell failed; a student
+    notebook and a notebook only partly run (``-k``) leave none."""
+    quizzes = tmp_path / "quizzes"
+    quizzes.mkdir()
+    (quizzes / "92_executed.toml").write_text(
+        '[[question]]\nid = "92.x"\nkind = "numeric"\nprompt = "x?"\nvariable = "q_x"\n'
+        'answer = 1\n')
+    cells = ["q_x = 1",
+             'print("hello from the run")\n6 * 7',
+             "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()",
+             "from IPython.display import display\n"
+             f"display({{{WIDGET!r}: {{'model_id': 'm', 'version_major': 2}}, "
+             "'text/plain': 'VBox()'}, raw=True)",
+             "1 / 0"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# A heading"),
+                                         *map(nbformat.v4.new_code_cell, cells)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    for folder, notebook in (("solutions", nb),
+                             ("notebooks", nbformat.v4.new_notebook(
+                                 cells=[nbformat.v4.new_code_cell("q_x = None")],
+                                 metadata=nb.metadata))):
+        (tmp_path / folder).mkdir()
+        nbformat.write(notebook, tmp_path / folder / "92_executed.ipynb")
+    out = _pytest_args(tmp_path, "-n", "2", "--dist", "loadfile",   # as the lab's test command
+                       env={"LABKIT_QUIZ_DIR": str(quizzes)})
+    assert "1 failed, 7 passed" in out.stdout, out.stdout + out.stderr   # 1 / 0
+    executed = tmp_path / "build" / "executed"
+    assert sorted(p.name for p in executed.iterdir()) == ["92_executed.ipynb"]   # not notebooks/
+    copy = nbformat.read(executed / "92_executed.ipynb", as_version=4)
+    nbformat.validate(copy)
+    header, *cells = copy.cells
+    assert [c.source for c in cells] == [c.source for c in nb.cells]
+    for words in ("Executed copy", "solutions/92_executed.ipynb", "**When:**", "**Where:**",
+                  "CPU:", "GPU:", "Python ", "torch ", "**Failed:** In [5]", "**Widgets:** 1"):
+        assert words in header.source, (words, header.source)
+    assert header.metadata["labkit"]["executed"]["torch"]
+    code = [c for c in cells if c.cell_type == "code"]
+    assert [c.execution_count for c in code] == [1, 2, 3, 4, 5]
+    assert code[1].outputs[0].text == "hello from the run\n"
+    assert code[1].outputs[1].data["text/plain"] == "42"
+    assert any("image/png" in o.get("data", {}) for o in code[2].outputs)
+    assert [o.data for o in code[3].outputs] == [{"text/plain": "[an interactive widget: it "
+                                                  "works only in a live notebook, and nothing of "
+                                                  "it is saved here]"}]
+    assert code[4].outputs[-1].ename == "ZeroDivisionError"
+
+    (executed / "92_executed.ipynb").unlink()
+    out = _pytest_args(tmp_path, "-k", "not 4", env={"LABKIT_QUIZ_DIR": str(quizzes)})
+    assert "7 passed, 1 deselected in" in out.stdout, out.stdout   # Cell 4 deselected
+    assert not executed.joinpath("92_executed.ipynb").exists()

@@ -88,14 +88,16 @@ def test_every_bank_question_is_checked_in_its_notebook(path):
 
 def test_the_rule_catches_a_hidden_question(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell('lk.quiz.show("00.sum_of_ranks")'),
+        nbformat.v4.new_code_cell('lk.quiz.show("00.all_reduce_twice")'),
         nbformat.v4.new_markdown_cell("text in between does not matter"),
-        nbformat.v4.new_code_cell('q_sum_of_ranks = 10\nlk.quiz.check("00.sum_of_ranks", q_sum_of_ranks)\n'
+        nbformat.v4.new_code_cell('q_all_reduce_twice = 18\n'
+                                  'lk.quiz.check("00.all_reduce_twice", q_all_reduce_twice)\n'
                                   'lk.quiz.check("00.cpu_backend", "gloo")'),
-        nbformat.v4.new_code_cell('%time x = 1\nlk.quiz.check("00.sum_of_ranks", 10)')])
+        nbformat.v4.new_code_cell('%time x = 1\nlk.quiz.check("00.all_reduce_twice", 10)')])
     path = tmp_path / "00_setup.ipynb"
     nbformat.write(nb, path)
-    assert undisplayed(path) == ["00.cpu_backend (code cell 2)", "00.sum_of_ranks (code cell 3)"]
+    assert undisplayed(path) == ["00.cpu_backend (code cell 2)",
+                                 "00.all_reduce_twice (code cell 3)"]
 
 
 # ------------------------------------------------------------------ routes: core and deep dives

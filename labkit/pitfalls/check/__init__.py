@@ -10,23 +10,21 @@ fingerprint fails; and each rank counts the bytes its gloo sockets sent while th
 averaged through a side channel (the store, a file) instead of a collective fails too;
 :func:`check_staleness_lr` drives the delay-k simulation with the learner's
 learning-rate rule at every delay from 0 to 16.
-The quiz keys read the answer out of the learner's own runs (the mystery hang, the flight
-recorder, the parameter server).
+The quiz keys read the answer out of the learner's own mystery hang.
 """
 from __future__ import annotations
 
 import os
 
 from ...grading.watch import store_port, tcp_bytes_sent
-from ...diagnosis import compare_fingerprints, compare_flight_records, diagnose, fingerprint
+from ...diagnosis import compare_fingerprints, diagnose, fingerprint
 from ...grading.exercise import case
 from ...runtime import run
 from .. import divergence
-from ..scenario import Outcome
-from ..staleness import PSRun, delayed_sgd, mean_staleness
+from ..staleness import delayed_sgd
 
 __all__ = ["check_replica_training", "check_staleness_lr", "mystery_stuck_rank",
-           "mystery_collective", "flight_missing_seq", "async_mean_staleness"]
+           "mystery_collective"]
 
 
 # ------------------------------------------------------------------ exercise checkers
@@ -162,17 +160,3 @@ def mystery_collective(mystery) -> str:
         raise ValueError("no rank was inside a collective in this run; run the mystery cell again")
     return v.collective
 
-
-def flight_missing_seq(fr: Outcome) -> int:
-    """Quiz key: the first collective number the skipping rank never issued, from its records."""
-    records = [v for v in fr.result.values if v is not None]
-    v = compare_flight_records(records)
-    if v.seq is None:
-        raise ValueError(f"these flight records show no missing collective ({v.kind}); run the "
-                         f"flight-recorder cell again")
-    return v.seq
-
-
-def async_mean_staleness(ps_async: PSRun) -> float:
-    """Quiz key 04.mean_staleness: the mean staleness of the notebook's ``ps_async`` run."""
-    return mean_staleness(ps_async)

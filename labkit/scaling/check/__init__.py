@@ -41,7 +41,7 @@ or the checker's own data the route (each message says what was recorded); and c
 feeds each). A check that cannot run fails its case and says why.
 
 **Quiz keys** (``key = "labkit.scaling.check:..."``) compute answers from the learner's own
-measurements: the notebook's ``scaling``, ``hooks``, ``knobs`` and ``machine_info``.
+measurements: the notebook's ``scaling``, ``hooks`` and ``knobs``.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from ...grading.exercise import Case, NotDone
 from ...runtime import run
 
 __all__ = ["check_compress_hook", "hook_job", "probe_job", "weak_speedup_2", "strong_efficiency_4",
-           "core_ceiling", "fp16_bytes_per_step", "view_bytes_saved", "unused_allreduces",
+           "fp16_bytes_per_step", "view_bytes_saved", "unused_allreduces",
            "FP16_EPS"]
 
 FP16_EPS = 2.0 ** -11            # float16's unit roundoff (10 stored mantissa bits)
@@ -367,11 +367,6 @@ def weak_speedup_2(scaling: dict) -> float:
 def strong_efficiency_4(scaling: dict) -> float:
     """07.strong_efficiency_4: the measured median strong-scaling efficiency on 4 ranks."""
     return _row(scaling, mode="strong", ranks=4)["efficiency"]["median"]
-
-
-def core_ceiling(machine_info: dict) -> float:
-    """07.core_ceiling: the best speedup of 4 compute-bound ranks on this machine's cores."""
-    return float(min(4, machine_info["cores"]))
 
 
 def fp16_bytes_per_step(hooks: dict) -> float:
