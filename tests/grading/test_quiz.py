@@ -218,3 +218,49 @@ def test_form_kinds(qid, answer, status):
 def test_form_for_an_exercise_points_to_the_check():
     f = lk.quiz.form("90.exercise")
     assert f.button.disabled and "lk.exercise.check" in f.input.value
+
+
+def _length_rule_hits(banks) -> tuple[list[str], list[str], int, int]:
+    """Which single-choice keys are the one longest choice, and which multi-choice keys are
+    exactly the choices left after dropping (or keeping) the k longest: a learner who answers
+    by length alone gets those right."""
+    single, multi, n_single, n_multi = [], [], 0, 0
+    for bank in banks.values():
+        for q in bank.questions.values():
+            if q.kind not in ("single", "multi"):
+                continue
+            size = [len(c) for c in q.choices]
+            keys = {q.choices.index(a) for a in ([q.answer] if q.kind == "single" else q.answer)}
+            if q.kind == "single":
+                n_single += 1
+                [k] = keys
+                if size[k] == max(size) and size.count(max(size)) == 1:
+                    single.append(q.id)
+                continue
+            n_multi += 1
+            longest_first = sorted(range(len(size)), key=lambda i: -size[i])
+            if any(keys in (set(longest_first[k:]), set(longest_first[:k]))
+                   for k in range(1, len(size))):
+                multi.append(q.id)
+    return single, multi, n_single, n_multi
+
+
+def test_no_length_rule_passes_the_banks():
+    """Issue 25: keys that are visibly the longest, most hedged option give the answer away, and
+    so does the reverse. Answering "the longest" (single) or "drop/keep the k longest" (multi)
+    must not score more than a third of the questions."""
+    single, multi, n_single, n_multi = _length_rule_hits(all_banks(ROOT / "quizzes"))
+    assert len(single) <= n_single / 3, f"the longest choice is the key in {single}"
+    assert len(multi) <= n_multi / 3, f"a length rule gives the keys of {multi}"
+
+
+def test_the_length_rule_check_sees_a_key_that_is_always_the_longest():
+    from types import SimpleNamespace as Q
+    long_key = Q(id="99.a", kind="single", choices=("no", "yes, because it is longer"),
+                 answer="yes, because it is longer")
+    drop_longest = Q(id="99.b", kind="multi", choices=("ab", "cd", "a much longer wrong one"),
+                     answer=["ab", "cd"])
+    fair = Q(id="99.c", kind="multi", choices=("short right", "a longer right one", "a mid wrong one"),
+             answer=["short right", "a longer right one"])
+    bank = Q(questions={q.id: q for q in (long_key, drop_longest, fair)})
+    assert _length_rule_hits({"99": bank}) == (["99.a"], ["99.b"], 1, 2)
