@@ -9,8 +9,8 @@ stack is dumped) — into a :class:`~labkit.runtime.result.JobResult`.
 """
 from __future__ import annotations
 
-import os
 import math
+import os
 import pickle
 import select
 import shutil

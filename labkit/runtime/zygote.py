@@ -228,8 +228,9 @@ def _batch_scheduling() -> None:
 
     A woken batch thread waits for the running one to block instead of preempting it
     (sched(7)). When the notebook's kernel hands a job to 4 ranks on 2 cores, each rank it wakes
-    would otherwise take the kernel's core before the kernel had woken the next; a 4-rank job
-    of one all_reduce took about a third longer, and one in ten took 3-4 times the median.
+    would otherwise take the kernel's core before the kernel had woken the next: without it a
+    4-rank job of one all_reduce took 1.2-1.8 times as long in the median, and its slowest
+    tenth about 3 times as long (README, "Launch latency").
     Ranks still get their full share of the CPU. LABKIT_BATCH_RANKS=0 keeps the default policy.
     """
     if os.environ.get("LABKIT_BATCH_RANKS", "1") != "0" and hasattr(os, "SCHED_BATCH"):
