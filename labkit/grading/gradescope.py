@@ -216,7 +216,7 @@ def build(lesson: str, out: str | os.PathLike | None = None,
     out = Path(out) if out else Path(f"gradescope_{bank.name}.zip")
     config = {"bank": bank.name, "timeout_s": timeout_s, "visibility": visibility,
               "limits": lim, "built": _dt.datetime.now().isoformat(timespec="seconds"),
-              "lab_commit": _commit(repo)}
+              "lab_commit": repo_commit(repo)}
     torch = _pin(repo / "requirements.txt", "torch")
     files: dict[str, bytes] = {
         "setup.sh": _SETUP.format(bank=bank.name, torch=torch).encode(),
@@ -273,7 +273,9 @@ def _grading_requirements(requirements: Path) -> str:
     return "\n".join(keep) + "\n"
 
 
-def _commit(repo: Path) -> str | None:
+def repo_commit(repo: Path) -> str | None:
+    """``repo``'s checked-out commit (HEAD), in full; None outside a git checkout or without git
+    (also the executed copies' header: :mod:`labkit.grading.pytest_plugin`)."""
     from ..runtime import procs
 
     try:

@@ -138,6 +138,7 @@ def write_executed(nbfile, run: _Run, folder: Path) -> Path:
     that did not run has none."""
     import nbformat
 
+    from .gradescope import repo_commit
     nb = copy.deepcopy(nbfile.nb)
     widgets = 0
     for num, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
@@ -155,9 +156,10 @@ def write_executed(nbfile, run: _Run, folder: Path) -> Path:
                                           "notebook, and nothing of it is saved here]")
     end = datetime.datetime.now().astimezone()
     name = Path(str(nbfile.fspath)).name
+    commit = repo_commit(Path(__file__).resolve().parents[2])
     info = {"notebook": f"solutions/{name}", "start": run.start.isoformat(timespec="seconds"),
             "end": end.isoformat(timespec="seconds"), **_machine(nbfile.kernel),
-            "labkit_commit": _git_commit(Path(__file__).resolve().parents[2]),
+            "labkit_commit": commit and commit[:12],
             "failed": [f"In [{int(f.split()[1]) + 1}]" if f.startswith("Cell ") else f"`{f}` item"
                        for f in run.failed],
             "widgets": widgets}
@@ -252,18 +254,3 @@ def _machine(kernel) -> dict:
             except (Empty, OSError, ValueError):
                 pass
     return found
-
-
-def _git_commit(repo: Path) -> str | None:
-    """``repo``'s checked-out commit (its HEAD), 12 digits; None outside a git checkout or
-    without git."""
-    import subprocess
-
-    from ..runtime import procs
-    try:
-        code, out, _ = procs.run("git rev-parse", ["git", "-C", str(repo), "rev-parse",
-                                                   "--short=12", "HEAD"], 30,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.strip() or None if code == 0 else None
