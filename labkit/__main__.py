@@ -4,6 +4,7 @@
     python -m labkit gradescope LESSON         # a Gradescope autograder zip (labkit.grading.gradescope)
     python -m labkit students [--check] [NN]   # student notebooks from solutions/ (labkit.grading.students)
     python -m labkit site [--out DIR]          # the executed solved notebooks as a site (labkit.grading.site)
+    python -m labkit minutes [NN...]           # each section's minutes by the stated method (labkit.grading.minutes)
     python -m labkit export PROJECT DEST       # a project of the lab, as a folder of its own
     python -m labkit bench NAME [options]      # benchmarks that print tables (see `bench` alone)
     python -m labkit nccl-capture [SCENARIO]   # record real NCCL failure logs on a GPU machine
@@ -22,6 +23,7 @@ COMMANDS = {
     "gradescope": ("labkit.grading.gradescope", "build a Gradescope autograder zip for a lesson"),
     "students": ("labkit.grading.students", "generate student notebooks from solutions/"),
     "site": ("labkit.grading.site", "render the executed solved notebooks as a static site"),
+    "minutes": ("labkit.grading.minutes", "each section's minutes by the README's method"),
     "export": ("labkit.common.projects", "write notebook 05's or 08's project into a folder"),
     "bench": (None, "benchmarks that print tables (run `bench` alone for the list)"),
     "nccl-capture": ("labkit.pitfalls.nccl_capture", "record real NCCL failure logs (GPU)"),

@@ -1,8 +1,8 @@
 """DDP from scratch, the simple way: replicate, then average every gradient after backward.
 
-Notebook 02 ("Step 1 · Replicate" to "Step 6", then "Exercise 1") builds data-parallel training
-by hand in two versions, this one first and :mod:`labkit.ddp.bucketed` next, so the difference
-is the lesson:
+Notebook 02 ("Step 1 · Replicate" to "Step 6"; the learner writes step 5) builds data-parallel
+training by hand in two versions, this one first and :mod:`labkit.ddp.bucketed` next, so the
+difference is the lesson:
 
 * :func:`broadcast_parameters` — step 1, every rank starts from rank 0's parameters and buffers;
 * :func:`average_gradients` — step 5, one blocking ``all_reduce`` per gradient, divided by N;

@@ -23,7 +23,9 @@ Three things happen on top of nbval when ``pytest`` runs the notebooks:
    under pytest's rootdir, headed by a markdown cell: when it ran, on what (OS, CPU, GPUs as
    the kernel's torch saw them), Python, torch, labkit's git commit, which cells failed. A
    notebook only partly run (``-k``, ``-x``) writes nothing, so a partial run never replaces a
-   whole one. ``python -m labkit site`` renders the copies (:mod:`labkit.grading.site`).
+   whole one. Each code cell's run time is kept in its ``metadata.labkit.seconds`` (what
+   ``python -m labkit minutes`` reads, :mod:`labkit.grading.minutes`). ``python -m labkit
+   site`` renders the copies (:mod:`labkit.grading.site`).
 """
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ class _Run:
     start: datetime.datetime = field(default_factory=lambda: datetime.datetime.now().astimezone())
     outputs: dict = field(default_factory=dict)   # code cell number -> nbval's outputs, or None
     failed: list = field(default_factory=list)    # the items that failed: "Cell 3", "grade"
+    seconds: dict = field(default_factory=dict)   # code cell number -> how long it ran
 
 
 _RUNS: dict[str, _Run] = {}                       # the notebook's node id -> its run
@@ -116,6 +119,8 @@ def pytest_runtest_makereport(item, call):
     if run is not None and (call.when == "call" or report.failed):
         if hasattr(item, "test_outputs"):         # nbval's IPyNbCell: None if it did not run
             run.outputs[item.cell_num] = item.test_outputs
+            if call.when == "call":
+                run.seconds[item.cell_num] = round(call.duration, 2)
         if report.failed and item.name not in run.failed:
             run.failed.append(item.name)
     return report
@@ -145,6 +150,8 @@ def write_executed(nbfile, run: _Run, folder: Path) -> Path:
         outs = run.outputs[num]
         cell.execution_count = None if outs is None else num + 1
         cell.outputs = [nbformat.from_dict(copy.deepcopy(out)) for out in outs or ()]
+        if num in run.seconds:                    # the section minutes read it (grading.minutes)
+            cell.metadata.setdefault("labkit", {})["seconds"] = run.seconds[num]
         for out in cell.outputs:
             if out.output_type == "execute_result":
                 out.execution_count = num + 1

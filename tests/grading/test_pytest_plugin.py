@@ -143,6 +143,8 @@ def test_a_solved_notebook_leaves_an_executed_copy_with_its_outputs_and_a_header
     code = [c for c in cells if c.cell_type == "code"]
     assert [c.execution_count for c in code] == [1, 2, 3, 4, 5]
     assert code[1].outputs[0].text == "hello from the run\n"
+    seconds = [c.metadata.get("labkit", {}).get("seconds") for c in code]
+    assert all(isinstance(t, float) and 0 <= t < 60 for t in seconds), seconds   # each cell's
     assert code[1].outputs[1].data["text/plain"] == "42"
     assert any("image/png" in o.get("data", {}) for o in code[2].outputs)
     assert [o.data for o in code[3].outputs] == [{"text/plain": "[an interactive widget: it "

@@ -9,6 +9,10 @@
   points and the notebook's total.
 * A core section never uses a name (variable, function, class) that only an earlier deep-dive
   section of the same notebook defines: a learner on the core path skips deep dives.
+* No section is tagged below what the README's method gives for its words, questions and
+  exercises (:mod:`labkit.grading.minutes`; outputs and run times only add to it).
+* A key term (any notebook's "Key terms") that a core section's prose uses has been taught on
+  the core path before: set in bold in a core section, where it is explained.
 
 Pure logic on the notebook files (``ast``), no kernel: it runs in well under a second.
 """
@@ -23,13 +27,14 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from labkit.grading import minutes as method
 from labkit.grading.bank import all_banks
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSONS = sorted(p for folder in ("solutions", "notebooks") for p in (ROOT / folder).glob("*.ipynb"))
 IDS = [f"{p.parent.name}/{p.stem}" for p in LESSONS]
 BANKS = all_banks(ROOT / "quizzes")
-TAG = re.compile(r"\[(core|deep dive) · (\d+) min\]\s*$")
+TAG = method.TAG
 CORE_MINUTES = (65, 80)          # the seed lesson is 75 minutes (README: "How long it takes")
 
 
@@ -102,25 +107,10 @@ def test_the_rule_catches_a_hidden_question(tmp_path):
 
 # ------------------------------------------------------------------ routes: core and deep dives
 def sections(path: Path) -> list[dict]:
-    """The notebook split at its ``##`` headings: title, route, minutes, markdown and code cells.
-
-    Cells before the first ``##`` heading (title, imports) form a core "preamble".
-    """
-    nb = nbformat.read(path, as_version=4)
-    out = [{"title": "(preamble)", "route": "core", "minutes": 0, "tagged": True, "md": [],
-            "code": []}]
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            for line in cell.source.splitlines():
-                if line.startswith("## "):
-                    m = TAG.search(line)
-                    out.append({"title": line[3:].strip(), "route": m.group(1) if m else None,
-                                "minutes": int(m.group(2)) if m else 0, "tagged": bool(m),
-                                "md": [], "code": []})
-                out[-1]["md"].append(line)
-        elif cell.cell_type == "code":
-            out[-1]["code"].append(cell.source)
-    return out
+    """The notebook split at its ``##`` headings (:func:`labkit.grading.minutes.sections`), as
+    dicts: title, route, minutes, tagged, markdown lines and code sources."""
+    return [{"title": s.title, "route": s.route, "minutes": s.minutes, "tagged": s.tagged,
+             "md": s.md, "code": s.code} for s in method.sections(path)]
 
 
 SOLVED = [p for p in LESSONS if p.parent.name == "solutions"]
@@ -305,3 +295,115 @@ def test_a_claim_the_notebook_no_longer_says_fails_the_quote_check():
     fake.test_something = test_something
     with pytest.raises(AssertionError, match="no longer says"):
         _claims.check_quotes(fake)
+
+
+# ------------------------------------------------------------------ honest minutes
+def test_no_section_is_tagged_below_what_the_method_gives():
+    """Every tag is at least the README's method without run times: the section's words,
+    questions and exercises (``python -m labkit minutes`` adds outputs and run times)."""
+    short = [f"{stem}: “{e.section.title}” is tagged {e.section.minutes} min; its words, "
+             f"questions and exercises alone take {e.static:.1f}"
+             + "".join(f" ({name}: {m:.1f} by what it asks)" for name, m in e.exercises)
+             for stem, rows in method.course_estimates(ROOT / "solutions", None).items()
+             for e in rows if e.section.minutes < method.rounded(e.static)]
+    assert not short, "\n".join(short)
+
+
+def _exercise_notebook(tmp_path, body: str, route: str = "core", before: str = "x = 1"):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell(f"## Warm-up [{route} · 1 min]"),
+        nbformat.v4.new_code_cell(before),
+        nbformat.v4.new_markdown_cell(f"## Build it [{route} · 1 min]\nWrite it."),
+        nbformat.v4.new_code_cell("def f(t):\n    import torch\n    ### BEGIN SOLUTION\n"
+                                  + body + "\n    ### END SOLUTION\n"),
+        nbformat.v4.new_code_cell('lk.exercise.check("00.f", f)')])
+    path = tmp_path / "00_x.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_an_exercise_is_estimated_by_what_it_asks(tmp_path):
+    body = ("    # a comment is not a line\n    from os import sep\n"
+            "    dist.all_gather_into_tensor(out, t)\n    out /= 2\n\n    return out")
+    # 3 lines written; one construct not shown before: 3 + 3 * 1.5 + 5
+    [_, build] = method.estimate(_exercise_notebook(tmp_path, body))
+    assert build.exercises == [("00.f", 12.5)]
+    # the construct shown earlier on the same route: no extra 5 minutes
+    [_, build] = method.estimate(_exercise_notebook(
+        tmp_path, body, before="dist.all_gather_into_tensor(a, b)"))
+    assert build.exercises == [("00.f", 7.5)]
+    # shown only in a deep dive: new to a learner on the core path, not to one in a deep dive
+    shown = {"core": set(), "deep dive": {"all_gather_into_tensor"}}
+    [_, build] = method.estimate(_exercise_notebook(tmp_path, body), shown_before=shown)
+    assert build.exercises == [("00.f", 12.5)]
+    assert method.rounded(build.static) >= 13
+
+
+def test_an_executed_copy_adds_outputs_and_run_time(tmp_path):
+    path = _exercise_notebook(tmp_path, "    return t")
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", name="stdout", text="w " * 400)]
+    nb.cells[1].metadata["labkit"] = {"seconds": 90.0}      # longer than reading 400 words
+    ran = tmp_path / "ran.ipynb"
+    nbformat.write(nb, ran)
+    [warm, _] = method.estimate(path, ran)
+    assert warm.full - warm.static == pytest.approx(1.5)
+    [warm, _] = method.estimate(path)
+    assert warm.full is None
+
+
+# ------------------------------------------------------------------ concepts before use
+NOT_TEACHING = ("Key terms", "Interview framing", "Sources", "Evaluation")
+
+
+def _term_pattern(term: str) -> str:
+    """A key term as it appears in prose: any case, plural allowed, not inside a longer word."""
+    return r"(?<![\w-])" + re.escape(term) + r"(?:s|es)?(?![\w-])"
+
+
+def untaught_terms(paths: list[Path]) -> list[str]:
+    """Key terms (of any notebook of the course) that a core section's prose uses before the
+    core path has taught them. A term is taught where a core section sets it in bold
+    (``**term**``, the sentence that says what it is); a deep dive's teaching does not count:
+    a learner on the core path skips it. A core "Key terms" section uses every term it lists."""
+    strip = lambda t: re.sub(r"\s*\([^)]*\)$", "", t)        # "channel (NCCL)" -> "channel"
+    ordered = sorted({strip(t) for path in paths for t in key_terms(path)}, key=len, reverse=True)
+    taught, found = set(), []
+    for path in paths:
+        own = [strip(t) for t in key_terms(path)]
+        for s in sections(path)[1:]:
+            if s["route"] == "core" and s["title"].startswith("Key terms"):
+                found += [f"{path.stem}: “{t}” in “Key terms”" for t in own
+                          if t.lower() not in taught]
+            if s["route"] != "core" or s["title"].startswith(NOT_TEACHING):
+                continue
+            text = "\n".join(s["md"][1:])
+            for bold in re.findall(r"\*\*(.+?)\*\*", text):
+                taught |= {t.lower() for t in ordered if re.search(_term_pattern(t), bold, re.I)}
+            found += [f"{path.stem}: “{t}” in “{TAG.sub('', s['title']).strip()}”"
+                      for t in ordered if t.lower() not in taught
+                      and re.search(_term_pattern(t), text, re.I)]
+    return found
+
+
+def test_every_key_term_a_core_section_uses_is_taught_on_the_core_path():
+    found = untaught_terms(SOLVED)
+    assert not found, ("set the term in bold where a core section says what it is (or say it "
+                       "there), before these uses:\n" + "\n".join(found))
+
+
+def test_the_concept_rule_catches_a_term_taught_only_in_a_deep_dive(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# 00\n## 1 · Split it [core · 1 min]\n"
+                                      "Micro-batches fill the pipeline bubble."),
+        nbformat.v4.new_markdown_cell("## 2 · Pipelines [deep dive · 1 min]\n"
+                                      "The **bubble** is the time a stage waits."),
+        nbformat.v4.new_markdown_cell("## 3 · Again [core · 1 min]\nThe **micro-batch** is a "
+                                      "slice of the batch; it shrinks the bubble."),
+        nbformat.v4.new_markdown_cell("## Key terms [deep dive · 1 min]\n- **bubble** — idle "
+                                      "time.\n- **micro-batch** — a slice of the batch.")])
+    path = tmp_path / "00_setup.ipynb"
+    nbformat.write(nb, path)
+    assert untaught_terms([path]) == ["00_setup: “micro-batch” in “1 · Split it”",
+                                      "00_setup: “bubble” in “1 · Split it”",
+                                      "00_setup: “bubble” in “3 · Again”"]

@@ -1,4 +1,4 @@
-"""The DDP exercises' model, data and single-process oracle (notebook 02, "Exercise 1" and 2).
+"""The DDP exercises' model, data and single-process oracle (notebook 02: step 5, the challenge).
 
 * :class:`TiedTiny` has the traps: a **frozen** layer (``.grad`` stays ``None``), **tied**
   weights (embedding = output layer, one parameter used twice) and a **buffer** that changes
