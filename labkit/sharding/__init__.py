@@ -7,19 +7,19 @@ module              concept                                                     
 ==================  ===============================================================  =======
 ``model``           the lesson's MLP and batch                                       all
 ``memory``          bytes a rank holds, read from storages; DDP's memory             §1
-``calculator``      the ZeRO formulas; "which to use when" (predictions)             §1, §9
-``counting``        ``CommCounter``: every collective a rank issues, counted          §3-§8
+``calculator``      the ZeRO formulas; "which to use when" (predictions)             §1, §13
+``counting``        ``CommCounter``: every collective a rank issues, counted          §3-§12
 ``ring``            reduce-scatter and all-gather: notebook 03's ring, in halves     §3
-``optim``           Adam and SGD written out (the state ZeRO shards)                 §4, §12
+``optim``           Adam and SGD written out (the state ZeRO shards)                 §4, §5
 ``zero``            ZeRO-1, -2, -3 by hand                                           §4
-``library``         DDP, ``ZeroRedundancyOptimizer``, FSDP2 ``fully_shard``            §5
-``harness``         one loop that trains, counts, measures every setup               §4-§5
-``trace``           one FSDP2 / DDP step on a timeline from ``torch.profiler``        §6
-``tensor_parallel`` Megatron's column/row-parallel MLP by hand                        §7
-``tp_runs``         TP vs one process, ``parallelize_module``, a 2 × 2 mesh           §7-§8
+``library``         DDP, ``ZeroRedundancyOptimizer``, FSDP2 ``fully_shard``            §8
+``harness``         one loop that trains, counts, measures every setup               §4, §8
+``trace``           one FSDP2 / DDP step on a timeline from ``torch.profiler``        §9
+``tensor_parallel`` Megatron's column/row-parallel MLP by hand                        §10
+``tp_runs``         TP vs one process, ``parallelize_module``, a 2 × 2 mesh           §10, §12
 ``pictures``        the notebook's plots                                             all
-``check``           the three exercise checkers, their rank jobs and oracles          §12, §13
-                    and the quiz keys computed from the learner's own measurements
+``check``           the three exercise checkers, their rank jobs and oracles          §5, §6,
+                    and the quiz keys computed from the learner's own measurements   §11, §16
 ``bench``           ``python -m labkit bench sharding``                               —
 ==================  ===============================================================  =======
 

@@ -1,4 +1,4 @@
-"""Which to use when: bytes per rank and bytes sent per step, by setup (notebook 06 §1, §9).
+"""Which to use when: bytes per rank and bytes sent per step, by setup (notebook 06 §1, §13).
 
 The formulas of the ZeRO paper (Rajbhandari et al., SC 2020), for Ψ parameters on N ranks::
 

@@ -1,4 +1,4 @@
-"""Counting what a rank sends: every collective it issues, with its size (notebook 06 §3-§8).
+"""Counting what a rank sends: every collective it issues, with its size (notebook 06 §3-§12).
 
 The issue with "ZeRO-3 sends 1.5x what DDP sends" is that it is usually *computed*. Here it is
 *counted*: :class:`CommCounter` is the runtime's recorder (:class:`labkit.runtime.commtrace.

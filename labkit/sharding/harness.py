@@ -1,4 +1,4 @@
-"""One harness for every setup: train, count, measure, compare with one process (notebook 06 §4-§5, bench).
+"""One harness for every setup: train, count, measure, compare with one process (notebook 06 §4, §8, bench).
 
 :func:`run_setups` runs in each rank. For every named setup it builds the lesson's MLP from a
 **different seed on every rank** (so a setup that forgets to replicate rank 0's weights cannot

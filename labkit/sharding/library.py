@@ -1,4 +1,4 @@
-"""PyTorch's own: DDP, ``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard`` (notebook 06 §1, §5).
+"""PyTorch's own: DDP, ``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard`` (notebook 06 §1, §8).
 
 Three setups with the same protocol as :class:`labkit.sharding.zero.HandZero` (``module``,
 ``step()``, ``zero_grad()``, ``memory()``, ``full_parameters()``), so the harness trains,

@@ -111,21 +111,27 @@ def _bucket_recorder(buffers: dict):
 
 
 def ddp_memory(rank: int, world_size: int, dims: tuple[int, ...] = DIMS,
-               bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = False) -> dict:
-    """(In a rank) one step of torch DDP + ``torch.optim.Adam``; bytes of each part, measured.
+               bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = False,
+               optimizer: str = "adam") -> dict:
+    """(In a rank) one step of torch DDP + ``torch.optim.Adam`` (``optimizer="sgd"``:
+    ``torch.optim.SGD`` with momentum 0.9); bytes of each part, measured.
 
     Returns ``psi``, ``measured`` (``params``, ``grads``, ``optimizer``, ``buckets``, ``total``:
     distinct storages, a gradient that lives inside a bucket counted once), ``formula``
-    (:func:`labkit.sharding.calculator.memory_per_rank`), ``buckets`` (how many) and
-    ``grads_in_buckets`` (whether every gradient shares a bucket's storage).
+    (:func:`labkit.sharding.calculator.memory_per_rank`, whose optimizer state is Adam's 8Ψ;
+    SGD's momentum is 4Ψ), ``buckets`` (how many) and ``grads_in_buckets`` (whether every
+    gradient shares a bucket's storage).
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {optimizer!r}.")
     model = make_mlp(dims, seed=0)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view)
     buffers: dict = {}
     ddp.register_comm_hook(None, _bucket_recorder(buffers))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if optimizer == "adam"
+           else torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
     x, y = rank_batch(rank, world_size, dims=dims)
     torch.nn.functional.mse_loss(ddp(x), y).backward()
     opt.step()
@@ -139,8 +145,12 @@ def ddp_memory(rank: int, world_size: int, dims: tuple[int, ...] = DIMS,
     measured["total"] = storage_bytes(params + grads + optimizer_tensors(opt)
                                       + list(buffers.values()))
     psi = numel(model)
-    return {"psi": psi, "world_size": world_size, "measured": measured,
-            "formula": memory_per_rank(psi, world_size, "DDP"),
+    formula = memory_per_rank(psi, world_size, "DDP")
+    if optimizer == "sgd":                       # one momentum buffer per element, no step count
+        formula["optimizer"] = 4.0 * psi
+        formula["total"] = sum(v for k, v in formula.items() if k != "total")
+    return {"psi": psi, "world_size": world_size, "measured": measured, "formula": formula,
+            "optimizer": optimizer,
             "buckets": len(buffers),
             "grads_in_buckets": all(storage_key(g) in bucket_keys for g in grads),
             "gradient_as_bucket_view": gradient_as_bucket_view}

@@ -1,5 +1,5 @@
 """Adam and SGD with momentum written out: the optimizer state ZeRO shards (notebook 06 §1, §4,
-§12).
+§5).
 
 These compute exactly what ``torch.optim.Adam`` and ``torch.optim.SGD(momentum=...)`` compute
 with their default (single-tensor, non-fused) arithmetic (``tests/sharding/test_sharding.py``

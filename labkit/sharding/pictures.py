@@ -3,10 +3,10 @@
 * :func:`zero_diagram` — who holds what under DDP and ZeRO-1/2/3: a *diagram* of the formulas
   (§2), not a measurement, and titled so.
 * :func:`memory_bars` — bytes per rank by part, measured from storages, with the formula's
-  total marked (§1, §4, §5).
+  total marked (§1, §4, §8).
 * :func:`traffic_bars` — bytes sent per rank per step, counted, against DDP's 2Ψ and
-  ZeRO-3's 3Ψ (§4, §5).
-* :func:`step_timelines` — one FSDP2 step above one DDP step, from ``torch.profiler`` (§6).
+  ZeRO-3's 3Ψ (§4, §8).
+* :func:`step_timelines` — one FSDP2 step above one DDP step, from ``torch.profiler`` (§9).
 """
 from __future__ import annotations
 

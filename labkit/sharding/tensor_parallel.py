@@ -1,4 +1,4 @@
-"""Tensor parallelism: Megatron's MLP by hand, then ``parallelize_module`` (notebook 06 §7).
+"""Tensor parallelism: Megatron's MLP by hand, then ``parallelize_module`` (notebook 06 §10).
 
 ZeRO shards what a layer *stores*; tensor parallelism shards what a layer *computes*. For an
 MLP ``fc2(act(fc1(x)))`` on N ranks (Shoeybi et al., Megatron-LM, 2019):

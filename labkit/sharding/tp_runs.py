@@ -1,4 +1,4 @@
-"""Tensor parallelism on real ranks, checked against one process (notebook 06 §7-§8).
+"""Tensor parallelism on real ranks, checked against one process (notebook 06 §10, §12).
 
 Three jobs, each run in every rank by ``lk.run``:
 
@@ -9,7 +9,7 @@ Three jobs, each run in every rank by ``lk.run``:
   "2": RowwiseParallel()})`` on a CPU mesh.
 * :func:`mesh_2d` — 4 ranks as a 2 × 2 mesh: tensor parallel inside each pair (``"tp"``), FSDP2
   across the pairs (``"dp"``); a few Adam steps compared with one process training on the
-  whole batch, and what each rank holds and sends, per layer.
+  whole batch, and what each rank holds (and which of fc1's rows) and sends, per layer.
 
 Every rank builds its MLP from a different seed; the hand version broadcasts rank 0's weights,
 ``parallelize_module`` distributes rank 0's (``distribute_tensor``'s ``src_data_rank=0``).
@@ -135,7 +135,10 @@ def mesh_2d(rank: int, world_size: int, dims=(16, 64, 16), steps: int = 3, per_d
     for h in handles:
         h.remove()
     full = [p.detach().full_tensor() for p in mlp.parameters()]
+    mine = local(mlp[0].weight).detach()
+    fc1_rows = [i for i in range(len(full[0])) if any(torch.equal(full[0][i], r) for r in mine)]
     return {"coords": {"dp": dp, "tp": mesh["tp"].get_local_rank()}, "losses": losses,
+            "fc1_rows": fc1_rows,
             "max_diff": _max_diff(zip(full, oracle.parameters())),
             "holds": _holds({"fc1": mlp[0], "fc2": mlp[2]}),
             "placements": {n: str(p.placements) for n, p in mlp.named_parameters()},

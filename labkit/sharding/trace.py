@@ -1,4 +1,4 @@
-"""One training step on a timeline, from a real ``torch.profiler`` trace (notebook 06 §6).
+"""One training step on a timeline, from a real ``torch.profiler`` trace (notebook 06 §9).
 
 :func:`traced_step` runs in every rank: it builds the setup (FSDP2 ``fully_shard`` per layer,
 or DDP with small buckets as in notebook 02), trains one untraced step, waits at a barrier,

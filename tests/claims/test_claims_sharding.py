@@ -113,8 +113,7 @@ def _fsdp_grads(rank, world_size, reshard, mixed):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp2_gradients_equal_one_process_on_gloo(world_size):
-    """06 "§5": “On torch 2.13.0 they are equal (a claim test keeps checking), with
-    `CommDebugMode` from `torch.distributed.tensor.debug` counting the collectives:”."""
+    """06 "§8": “On torch 2.13.0 they are equal (a claim test keeps checking).”"""
     assert torch.__version__.startswith("2.13.0")
     for reshard in (True, False):
         values = _run(lambda r, w: _fsdp_grads(r, w, reshard, False), world_size)
@@ -147,12 +146,100 @@ def test_zero_redundancy_optimizer_all_reduces_then_broadcasts_whole_parameters(
     assert state[0] != state[1] and sum(state) == 8 * row["psi"] + 6 * 4   # whole tensors
 
 
+# ------------------------------------------------------------------ §7 DTensor
+def _placements(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from labkit.sharding import CommCounter
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {"chunk": {}, "to_local": [], "full_tensor": {}}
+    for rows in (4, 5):
+        d = distribute_tensor(torch.arange(rows * 2.0).view(rows, 2), mesh, [Shard(0)])
+        out["chunk"][rows] = tuple(d.to_local().shape)
+    w = torch.arange(12.0).view(4, 3)
+    p = DTensor.from_local(torch.full((2, 3), rank + 1.0), mesh, [Partial()])
+    for name, d in (("Shard", distribute_tensor(w, mesh, [Shard(0)])),
+                    ("Replicate", distribute_tensor(w, mesh, [Replicate()])), ("Partial", p)):
+        with CommCounter() as c:
+            d.to_local()
+        out["to_local"] += c.kinds()
+        with CommCounter() as c:
+            full = d.full_tensor()
+        out["full_tensor"][name] = (c.kinds(), full.tolist())
+    with CommCounter() as c:
+        mine = p.redistribute(mesh, [Shard(0)]).to_local()
+    out["partial_to_shard"] = (c.kinds(), tuple(mine.shape), float(mine.sum()))
+    out["partial_repr"] = repr(Partial())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dtensor_placements_chunk_sum_and_communicate_as_the_lab_says(world_size):
+    """06 "§7": “cut along tensor dimension d, as `torch.chunk` cuts it: pieces of ⌈size/N⌉, the
+    last rank(s) getting what is left, possibly nothing”. Also 06 "§7": “every rank holds a tensor
+    of the full shape and the value is their sum (the default reduction, shown as
+    `Partial(sum)`)”. Also 06 "§7": “`t.to_local()` returns it, with no communication”. Also 06
+    "§7": “it redistributes to `Replicate()`, an all-gather from `Shard` and an all-reduce from
+    `Partial`”. Also 06 "§7": “from `Partial()` to `Shard(d)` by a reduce-scatter”."""
+    values = _run(_placements, world_size)
+    n = world_size
+    for rows in (4, 5):
+        want = [len(c) for c in torch.arange(rows).chunk(n)]
+        want += [0] * (n - len(want))                      # torch.chunk can return fewer pieces
+        assert [v["chunk"][rows][0] for v in values] == want
+    if n == 3:
+        assert [v["chunk"][4][0] for v in values] == [2, 2, 0]      # the last rank gets nothing
+    total = sum(range(1, n + 1))
+    for v in values:
+        assert v["to_local"] == []
+        assert v["full_tensor"]["Shard"] == (["all_gather"], torch.arange(12.0).view(4, 3).tolist())
+        assert v["full_tensor"]["Replicate"][0] == []
+        assert v["full_tensor"]["Partial"] == (["all_reduce"], [[float(total)] * 3] * 2)
+        assert v["partial_to_shard"][0] == ["reduce_scatter"]
+        assert v["partial_repr"] == "Partial(sum)"
+
+
+def _strided(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for rows, cols in ((8, 4), (64, 16)):
+        model = torch.nn.Sequential(torch.nn.Linear(cols, rows))
+        with torch.no_grad():                       # row i holds i * cols ... (i + 1) * cols - 1
+            model[0].weight.copy_(torch.arange(rows * cols, dtype=torch.float32).view(rows, cols))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+        fully_shard(model[0], mesh=mesh["dp"])
+        weight = model[0].weight
+        local = weight.to_local()
+        out[rows] = {"rows": [int(r) // cols for r in local[:, 0].tolist()],
+                     "placements": repr(weight.placements)}
+    plain = distribute_tensor(torch.arange(8.0).view(8, 1), mesh, [Shard(0), Shard(0)])
+    out["plain"] = [int(r) for r in plain.to_local()[:, 0].tolist()]
+    return out
+
+
+def test_fsdp2_over_tensor_parallel_shards_right_to_left_as_strided_shard():
+    """06 "§7": “For an 8-row weight on the mesh [[0, 1], [2, 3]] (`dp` × `tp`) that gives rank 0
+    rows 0–1, rank 1 rows 4–5, rank 2 rows 2–3 and rank 3 rows 6–7; `[Shard(0), Shard(0)]` would
+    mean rows 0–1, 2–3, 4–5, 6–7”. Also 06 "§12": “so rank 1 (dp 0, tp 1) holds rows 32–47, not
+    16–31”."""
+    values = _run(_strided, 4)
+    assert [v[8]["rows"] for v in values] == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    assert [v["plain"] for v in values] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [v[64]["rows"] for v in values] == [list(range(a, a + 16)) for a in (0, 32, 16, 48)]
+    assert all(v[rows]["placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+               for v in values for rows in (8, 64))
+
+
 # ------------------------------------------------------------------ §6 the trace
 def test_gloo_runs_reduce_scatter_as_an_all_reduce_and_fsdp2_prefetches():
     """06 "§6": “On gloo (torch 2.13) every reduce-scatter (`reduce_scatter_single`, which FSDP2
     calls; `reduce_scatter_tensor` before torch 2.13) runs as a **`gloo:all_reduce`** of the whole
-    tensor”. Also 06 "§6": “FSDP2 issues the next layer's all-gather *before* the current layer's
-    reduce-scatter (prefetching)”."""
+    tensor”. Also 06 "§9": “FSDP2 issues the next layer's all-gather *before* the current layer's
+    reduce-scatter: it prefetches it”."""
     def job(rank, world_size):
         import torch.distributed as dist
         from torch.profiler import profile

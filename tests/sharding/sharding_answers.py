@@ -42,21 +42,39 @@ class ShardedOptimizer:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         return F.pad(flat, (0, self.k * self.world_size - self.numel))
 
+    def _copy_back(self, full):
+        offset = 0
+        for p in self.params:
+            p.copy_(full[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
     @torch.no_grad()
     def step(self):
         for i, p in enumerate(self.params):
             if p.grad is None:
                 raise RuntimeError(f"trainable parameter {i} {tuple(p.shape)} has no .grad")
         mine = torch.empty(self.k)
-        dist.reduce_scatter_tensor(mine, self._flat([p.grad for p in self.params]))
+        dist.reduce_scatter_single(mine, self._flat([p.grad for p in self.params]))
         self.slice.grad = mine / self.world_size if self.average else mine
         self.optimizer.step()
         full = torch.empty(self.k * self.world_size)
-        dist.all_gather_into_tensor(full, self.slice.detach().clone())
-        offset = 0
-        for p in self.params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        dist.all_gather_single(full, self.slice.detach())
+        self._copy_back(full)
+
+
+class AllReduceStepOptimizer(ShardedOptimizer):
+    """Wrong: the notebook's scaffold, with a step that all-reduces the whole flat gradient and
+    keeps its slice (right numbers, right state: 3Ψ sent where ZeRO-1 sends 2Ψ)."""
+
+    @torch.no_grad()
+    def step(self):
+        flat = self._flat([p.grad for p in self.params])
+        dist.all_reduce(flat)
+        self.slice.grad = flat[self.rank * self.k:(self.rank + 1) * self.k] / self.world_size
+        self.optimizer.step()
+        full = torch.empty(self.k * self.world_size)
+        dist.all_gather_single(full, self.slice.detach())
+        self._copy_back(full)
 
 
 class FrozenCrashOptimizer(ShardedOptimizer):

@@ -116,7 +116,12 @@ def test_the_quiz_keys_read_the_learners_runs_and_refuse_the_wrong_input():
 def test_the_evaluation_scores_an_empty_notebook_zero(capsys):
     assert lk.quiz.tally("06_sharding", namespace={}) == 0
     out = capsys.readouterr().out
-    assert "06.sharded_linear" in out and "0 / 21" in out
+    assert "06.sharded_linear" in out and "0 / 24" in out
+
+
+def test_ddp_memory_names_the_optimizers_it_knows():
+    with pytest.raises(ValueError, match="'adam' or 'sgd'"):
+        lk.sharding.ddp_memory(0, 1, optimizer="adagrad")
 
 
 def test_the_benchmark_table_puts_each_step_time_over_fsdp2s():

@@ -73,6 +73,14 @@ def test_a_summed_gradient_fails_with_sgd_even_where_adam_would_hide_it():
     assert passed(cases, "state")
 
 
+def test_a_step_that_all_reduces_instead_of_reduce_scattering_fails_the_collectives_case():
+    """The core build of §5 gives the layout; the step's one decision is the reduce-scatter."""
+    cases = check_sharded_optimizer(A.AllReduceStepOptimizer, world_sizes=(2,))
+    assert passed(cases, "SGD") and passed(cases, "Adam: every rank") and passed(cases, "state")
+    assert "all-reduced" in failed(cases, "by hand") and "half an all-reduce" in \
+        failed(cases, "by hand")
+
+
 def test_a_missing_broadcast_fails_because_every_rank_starts_from_its_own_weights():
     cases = check_sharded_optimizer(A.NoBroadcastOptimizer, world_sizes=(2,))
     assert "Broadcast rank 0's parameters" in failed(cases, "SGD")

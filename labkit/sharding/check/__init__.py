@@ -1,4 +1,4 @@
-"""Notebook 06's exercise checkers: ZeRO-1 optimizer, ZeRO-3 layer, Megatron MLP (notebook 06 §12).
+"""Notebook 06's exercise checkers: ZeRO-1 optimizer, ZeRO-3 layer, Megatron MLP (notebook 06 §5, §6, §11).
 
 Stricter than the anchors (CS336's sharded-optimizer test passes a plain optimizer), and built
 so that no shortcut passes (``tests/sharding/test_sharding_check.py`` feeds each one):
@@ -27,7 +27,7 @@ so that no shortcut passes (``tests/sharding/test_sharding_check.py`` feeds each
 * short timeouts: a deadlocked answer fails in seconds. A case the checker cannot verify (the
   job failed, a value is missing, the census was tampered with) fails with the reason.
 
-The quiz keys computed from the learner's own measurements (§13) are at the end: the bank
+The quiz keys computed from the learner's own measurements (§16) are at the end: the bank
 names them as ``key = "labkit.sharding.check:<fn>"`` with ``inputs`` = the notebook variables
 they read, so a question about "your run" is scored against that run.
 """
@@ -187,6 +187,13 @@ def _collectives_problem(values, n: int) -> str | None:
         for r, v in enumerate(values):
             for s, comm in enumerate(v[name]["comm"]):
                 rs, ag = comm["reduce_scatter"], comm["all_gather"]
+                if rs == 0 and comm["all_reduce"]:
+                    return (f"{name}, step {s + 1}: rank {r} all-reduced {comm['all_reduce']} "
+                            f"bytes and reduce-scattered 0: every rank received the sum of "
+                            f"every slice, though it updates only its own. ZeRO-1 "
+                            f"reduce-scatters the flat gradients, so each rank receives the "
+                            f"sum of its slice: half an all-reduce's traffic (an all-reduce "
+                            f"plus the all-gather send 3Ψ, ZeRO-1 2Ψ).")
                 if rs == 0 or ag == 0:
                     return (f"{name}, step {s + 1}: rank {r} reduce-scattered {rs} and "
                             f"all-gathered {ag} bytes. ZeRO-1 averages the gradients with a "
@@ -368,7 +375,7 @@ def check_parallel_mlp(cls, world_sizes=WORLD_SIZES, steps: int = 2) -> list[Cas
     return _grade(J.mlp_job, cls, world_sizes, steps, names, judge)
 
 
-# ------------------------------------------------------------- quiz keys (§13)
+# ------------------------------------------------------------- quiz keys (§16)
 def _rank0_setups(runs, name: str, needs: tuple[str, ...]) -> dict[str, dict]:
     if not isinstance(runs, (list, tuple)) or not runs or not isinstance(runs[0], (list, tuple)):
         raise ValueError(f"{name} should be lk.run(lk.sharding.run_setups, ...).values (a list "

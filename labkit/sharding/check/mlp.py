@@ -1,4 +1,4 @@
-"""Exercise 3's comparisons (notebook 06 §12.3): the Megatron MLP against one process.
+"""Exercise 3's comparisons (notebook 06 §11): the Megatron MLP against one process.
 
 Used by :func:`labkit.sharding.check.check_parallel_mlp`, with the oracle built from what the
 ranks reported (:func:`labkit.sharding.check.oracles.mlp_oracle`). Each function returns
