@@ -11,7 +11,7 @@ ranks wrongly. Done right:
 1. rank ``r``'s ``k``-th window is window number ``r + k * world_size`` of the
    padded list; numbers ``>= n`` are the padding: they are evaluated (the
    collectives need it) but not counted;
-2. :func:`all_reduce_sums` (the exercise of notebook 08) gets this rank's
+2. :func:`all_reduce_sums` (notebook 08 §5: the learner writes it) gets this rank's
    per-window losses and which of them are real, and returns the sum of the
    real windows' losses and their number, both added over all ranks;
 3. the mean is ``sum / count`` (every window has ``block_size`` tokens, so

@@ -1,5 +1,5 @@
 """Pipeline schedules with ``torch.distributed.pipelining``: bubble and activation memory, measured
-(notebook 07 §10; notebook 01 §3 built a 2-stage pipeline by hand).
+(notebook 07 §11; notebook 01 §3 built a 2-stage pipeline by hand).
 
 p ranks each hold a stage of an MLP; a batch is cut into m micro-batches. The schedules:
 

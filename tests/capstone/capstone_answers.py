@@ -1,10 +1,12 @@
-"""Answers to notebook 08's exercise for tests/capstone/test_capstone_check.py: the solution and the usual mistakes.
+"""Answers to notebook 08's exercises for tests/capstone/test_capstone_check.py: the solution and the usual mistakes.
 
-Each set is what ``capstone_pieces()`` returns in the notebook: ``{"all_reduce_sums": ...,
-"save_checkpoint": ..., "load_checkpoint": ...}``. The wrong ones are mistakes a learner makes,
-and shortcuts of every class (state hidden in memory, the project's own code doing the work, a
-side channel: the store or a file, an evaluation not split over the ranks); the tests pin which
-rubric item each one fails and with what message.
+Each set is a dict of pieces by the names the script uses: ``{"all_reduce_sums": ...,
+"save_checkpoint": ..., "load_checkpoint": ...}`` (the notebook's ``capstone_pieces()`` returns
+the two checkpoint functions, :func:`checkpoint_pieces`; its ``all_reduce_sums`` is graded
+alone). The wrong ones are mistakes a learner makes, and shortcuts of every class (state
+hidden in memory, the project's own code doing the work, a side channel: the store or a file,
+an evaluation not split over the ranks); the tests pin which rubric item each one fails and
+with what message.
 """
 from __future__ import annotations
 
@@ -56,6 +58,11 @@ def load_checkpoint(path, model, optimizer, device, restore_rng=True):
 def solution():
     return {"all_reduce_sums": all_reduce_sums, "save_checkpoint": save_checkpoint,
             "load_checkpoint": load_checkpoint}
+
+
+def capstone_pieces():
+    """The notebook's capstone_pieces (§10): the two checkpoint functions."""
+    return {"save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint}
 
 
 # ------------------------------------------------------------------ wrong evaluations
@@ -266,6 +273,14 @@ def load_by_the_project(path, model, optimizer, device, restore_rng=True):
 
 
 def pieces(**replace):
-    """The solution with some pieces replaced: ``pieces(all_reduce_sums=rank_local)``."""
+    """The solution with some pieces replaced: ``pieces(all_reduce_sums=rank_local)`` (all
+    three: the tests grade a reduction and a checkpoint code in one run)."""
     out = {**solution(), **replace}
+    return lambda: out
+
+
+def checkpoint_pieces(**replace):
+    """What the notebook's ``capstone_pieces`` returns (§10: the two checkpoint functions),
+    some replaced: ``checkpoint_pieces(save_checkpoint=save_rank_files)``."""
+    out = {"save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint, **replace}
     return lambda: out

@@ -1,14 +1,17 @@
 """Notebook 08's capstone grader: the solution passes every rubric item; lazy and wrong pieces fail theirs.
 
-Each answer set in capstone_answers.py is graded by really launching ``train_gpt.py --pieces``
-under torchrun, as the notebook and ``python -m labkit grade`` do. To keep this file short in
-wall time, the wrong pieces travel in pairs (a wrong evaluation with a wrong checkpoint: they
-are judged on different evidence, the evaluation at step 3 happens before any checkpoint is
-loaded) and the gradings run four at a time (the machine mostly waits on process starts).
-Every class of shortcut has a pair: state hidden in memory, the project's own code doing the
-work, a side channel (the store, a file), an evaluation not split over the ranks. The
-evaluation's feedback for each known mistake is judged on lab ranks, without torchrun (the
-end of this file).
+Each answer in capstone_answers.py is graded by really launching ``train_gpt.py --pieces``
+under torchrun, as the notebook and ``python -m labkit grade`` do. The notebook grades its
+``all_reduce_sums`` alone (item (c), §5, the core path: :func:`labkit.capstone.check.check_evaluates`)
+and its ``capstone_pieces`` (the two checkpoint functions) for (a), (b) and (d) (§10); two
+shortcuts of the evaluation go through (c)'s own checker, as the notebook calls it. To keep
+this file short in wall time, the other wrong pieces travel in pairs (a wrong evaluation with a
+wrong checkpoint, graded in one run: they are judged on different evidence, the evaluation at
+step 3 happens before any checkpoint is loaded) and the gradings run four at a time (the
+machine mostly waits on process starts). Every class of shortcut has its answer: state hidden
+in memory, the project's own code doing the work, a side channel (the store, a file), an
+evaluation not split over the ranks. The evaluation's feedback for each known mistake is
+judged on lab ranks, without torchrun (the end of this file).
 
 The solution's full marks are not graded again here: ``solutions/08_capstone.ipynb`` grades
 it in every test run, through the same checkers, in its check cell (``LABKIT_EXPECT_SOLVED``
@@ -36,7 +39,7 @@ from labkit.grading import exercise
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("no_ranks_at_the_end")]
 __all__ = ["no_ranks_at_the_end"]
 
-PLANS = {   # name: (pieces, rubric items to grade)
+PLANS = {   # name: (pieces graded together, or an all_reduce_sums alone: "c"; rubric items)
     "mean of means, no optimizer state": (A.pieces(
         all_reduce_sums=A.mean_of_rank_means, save_checkpoint=A.save_without_optimizer,
         load_checkpoint=A.load_without_optimizer), "abc"),
@@ -49,13 +52,19 @@ PLANS = {   # name: (pieces, rubric items to grade)
     "evaluated again on every rank, a side file": (A.pieces(
         all_reduce_sums=A.evaluated_again_everywhere, save_checkpoint=A.save_with_a_side_file,
         load_checkpoint=A.load_from_the_side_file), "abcd"),
-    "sums through the store, the project's own save and load": (A.pieces(
-        all_reduce_sums=A.through_the_store, save_checkpoint=A.save_by_the_project,
-        load_checkpoint=A.load_by_the_project), "abc"),
+    "sums through the store": (A.through_the_store, "c"),
+    "the project's own save and load": (A.checkpoint_pieces(
+        save_checkpoint=A.save_by_the_project, load_checkpoint=A.load_by_the_project), "abd"),
     "a file per rank: same world size only": (A.pieces(
         save_checkpoint=A.save_rank_files, load_checkpoint=A.load_rank_files), "abcd"),
-    "all_reduce on rank 0 only": (A.pieces(all_reduce_sums=A.all_reduce_on_rank_0), "c"),
+    "all_reduce on rank 0 only": (A.all_reduce_on_rank_0, "c"),
 }
+
+
+def _grade(fn, items: str) -> dict:
+    """As the notebook grades: an all_reduce_sums alone by (c)'s own bank checker; pieces by
+    :func:`labkit.capstone.check.grade`."""
+    return {"c": C.check_evaluates(fn)[0]} if items == "c" else C.grade(fn, items)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +72,7 @@ def graded(tmp_path_factory) -> dict[str, dict]:
     """Every plan graded once, all at the same time (the reference run first, once)."""
     R.reference(tmp_path_factory.mktemp("reference"))
     with ThreadPoolExecutor(4) as pool:
-        futures = {name: pool.submit(C.grade, fn, items) for name, (fn, items) in PLANS.items()}
+        futures = {name: pool.submit(_grade, fn, items) for name, (fn, items) in PLANS.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -110,16 +119,22 @@ def test_an_evaluation_not_split_and_a_checkpoint_kept_in_a_side_file(graded):
     assert "a file outside the checkpoint folder" in detail and "side channel" in detail
 
 
-def test_sums_through_the_store_and_the_projects_own_checkpoint_code(graded):
-    """Side channel: the right sums through the process group's TCPStore, no collective.
-    The library doing the work: the project's own save and load, found at run time."""
-    cases = graded["sums through the store, the project's own save and load"]
-    assert cases["a"].passed, cases["a"]
-    assert ("your pieces called labkit.capstone.sharded_checkpoint.load_checkpoint, "
-            "labkit.capstone.sharded_checkpoint.save_checkpoint: the project's own") in failed(
-        cases, "b")
-    detail = failed(cases, "c")
+def test_sums_through_the_store_fail_the_core_paths_checker(graded):
+    """Side channel, through (c)'s own checker (notebook 08 §5): the right sums through the
+    process group's TCPStore, no collective."""
+    detail = failed(graded["sums through the store"], "c")
     assert "ran no collective on any process group" in detail and "side channel" in detail
+
+
+def test_the_projects_own_checkpoint_code_fails_by_name(graded):
+    """The library doing the work: the project's own save and load, found at run time, as the
+    notebook's capstone_pieces (the two checkpoint functions; the script evaluates with its own
+    reduction, which is not the learner's and is not held against it)."""
+    cases = graded["the project's own save and load"]
+    assert list(cases) == ["a", "b", "d"] and cases["a"].passed, cases
+    words = ("your pieces called labkit.capstone.sharded_checkpoint.load_checkpoint, "
+             "labkit.capstone.sharded_checkpoint.save_checkpoint: the project's own")
+    assert words in failed(cases, "b") and words in failed(cases, "d")
 
 
 def test_a_checkpoint_of_rank_files_resumes_but_does_not_reshard(graded):
@@ -142,46 +157,94 @@ def test_a_deadlocked_all_reduce_fails_fast(graded):
 
 
 def test_the_bank_checkers_share_one_grading(graded, monkeypatch):
-    """The four rubric items come from one grading per set of pieces (cached), not four."""
+    """The three checkpoint items come from one grading of capstone_pieces (cached), not three;
+    (c)'s checker reuses its own grading of the same all_reduce_sums."""
     monkeypatch.setattr(C, "_run_cases", lambda *a: pytest.fail("graded again"))
-    name = "a file per rank: same world size only"
-    for check, item in zip((C.check_trains, C.check_resumes, C.check_evaluates,
-                            C.check_reshards), "abcd"):
+    name = "the project's own save and load"
+    for check, item in zip((C.check_trains, C.check_resumes, C.check_reshards), "abd"):
         assert check(PLANS[name][0]) == [graded[name][item]]
+    assert C.check_evaluates(A.through_the_store) == [graded["sums through the store"]["c"]]
+
+
+def test_each_item_grades_only_the_pieces_it_judges(monkeypatch, tmp_path):
+    """(c) ships the learner's all_reduce_sums alone (the script keeps its own checkpoint
+    code); (a), (b), (d) ship capstone_pieces' two functions (the script evaluates with its
+    own reduction); the probed pieces come first in the --pieces file, so the guard is in place
+    before any of the learner's functions loads."""
+    shipped = []
+    monkeypatch.setattr(C, "_CACHE", {})            # nothing graded here is kept
+    monkeypatch.setattr(C, "_run_cases", lambda pieces, work, items: shipped.append(
+        (sorted(pieces), items)) or {i: exercise.Case(C.ITEMS[i], True) for i in items})
+    C.check_evaluates(A.rank_local)
+    C.check_trains(A.checkpoint_pieces(save_checkpoint=A.save_without_rng))
+    assert shipped == [(["all_reduce_sums"], "c"), (["load_checkpoint", "save_checkpoint"], "abd")]
+    for pieces, first in (({"all_reduce_sums": A.rank_local}, "all_reduce_sums"),
+                          (A.checkpoint_pieces()(), "load_checkpoint")):
+        blob = R.ship(pieces, tmp_path, tmp_path / "p.pkl").read_bytes()
+        real = _guarded_functions()
+        try:
+            loaded = pickle.loads(blob)
+        finally:
+            for (m, a), f in real.items():
+                setattr(importlib.import_module(m), a, f)
+        assert list(loaded)[0] == first and set(loaded) == set(pieces)
+        assert isinstance(loaded[first], functools.partial), loaded
 
 
 def test_the_cache_key_survives_the_graders_pickle_round_trip():
-    """The grader loads the notebook's function once per item: the four loads share the key."""
+    """The grader loads the notebook's function once per item: the three loads of
+    capstone_pieces share the key (and two loads of an all_reduce_sums share theirs)."""
     cloudpickle.register_pickle_by_value(A)
     try:
-        blob = cloudpickle.dumps(A.solution)
+        blob, reduction = cloudpickle.dumps(A.capstone_pieces), cloudpickle.dumps(A.all_reduce_sums)
     finally:
         cloudpickle.unregister_pickle_by_value(A)
     one, two = cloudpickle.loads(blob), cloudpickle.loads(blob)
     assert one is not two and C._digest(C.pieces_of(one)) == C._digest(C.pieces_of(two))
+    one, two = cloudpickle.loads(reduction), cloudpickle.loads(reduction)
+    assert C._digest({"all_reduce_sums": one}) == C._digest({"all_reduce_sums": two})
 
 
 def test_stubs_are_not_done_without_launching(monkeypatch):
+    """The untouched student notebook: its stubs are "not done", and nothing is launched."""
     def stub(*args, **kwargs):
         raise NotImplementedError("write your code here")
 
     monkeypatch.setattr(R, "learner_run", lambda *a, **k: pytest.fail("launched a stub"))
-    pieces = lambda: {"all_reduce_sums": stub, "save_checkpoint": stub, "load_checkpoint": stub}
-    score = exercise.evaluate("08.trains", pieces)
-    assert score.status == "not done" and score.points == 0
+    pieces = lambda: {"save_checkpoint": stub, "load_checkpoint": stub}
+    for qid, fn in (("08.evaluates", stub), ("08.trains", pieces), ("08.reshards", pieces)):
+        score = exercise.evaluate(qid, fn)
+        assert score.status == "not done" and score.points == 0, score
+
+
+_PROJECTS = __import__("labkit.capstone.sharded_checkpoint", fromlist=["x"])
 
 
 @pytest.mark.parametrize("fn, words", [
     (42, "must be a function"),
-    (lambda: {"all_reduce_sums": A.all_reduce_sums}, "exactly the keys"),
-    (lambda: {**A.solution(), "save_checkpoint": "save"}, "not a function"),
-    (lambda: {**A.solution(), "all_reduce_sums": __import__(
-        "labkit.capstone.evaluate", fromlist=["x"]).all_reduce_sums}, "the project's own"),
+    (A.pieces(), "exactly the keys ['save_checkpoint', 'load_checkpoint']"),
+    (lambda: {"save_checkpoint": A.save_checkpoint}, "exactly the keys"),
+    (A.checkpoint_pieces(save_checkpoint="save"), "not a function"),
+    (A.checkpoint_pieces(load_checkpoint=_PROJECTS.load_checkpoint), "the project's own"),
 ])
-def test_a_bundle_that_is_not_three_pieces_fails_every_item_at_once(fn, words, monkeypatch):
+def test_capstone_pieces_not_the_two_checkpoint_functions_fail_every_item_at_once(
+        fn, words, monkeypatch):
     monkeypatch.setattr(R, "learner_run", lambda *a, **k: pytest.fail("launched"))
     cases = C.grade(fn)
+    assert list(cases) == ["a", "b", "d"], cases
     assert not any(c.passed for c in cases.values()) and words in cases["a"].detail
+
+
+@pytest.mark.parametrize("fn, words", [
+    (42, "all_reduce_sums is int, not a function"),
+    (__import__("labkit.capstone.evaluate", fromlist=["x"]).all_reduce_sums,
+     "the project's own: write your own all_reduce_sums"),
+])
+def test_an_all_reduce_sums_that_is_not_the_learners_fails_without_launching(fn, words,
+                                                                             monkeypatch):
+    monkeypatch.setattr(R, "learner_run", lambda *a, **k: pytest.fail("launched"))
+    [case] = C.check_evaluates(fn)
+    assert not case.passed and words in case.detail, case
 
 
 # ------------------------------------------------------------------ (c) judged on lab ranks

@@ -100,8 +100,8 @@ def test_get_state_dict_names_are_plain_and_fsdp2_values_are_dtensors(saved):
 
 
 def test_distributed_sampler_pads_with_the_first_windows():
-    """08 "§5": “When N does not divide the number of windows, the sampler pads: it repeats the
-    first windows so that every rank gets as many”."""
+    """08 "§5": “When N does not divide the number of windows, the sampler adds padding: it
+    repeats the first windows so that every rank gets as many”."""
     from torch.utils.data import DistributedSampler
 
     shares = [list(DistributedSampler(range(9), num_replicas=4, rank=r, shuffle=False))

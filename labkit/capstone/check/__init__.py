@@ -1,10 +1,13 @@
 """The capstone grader (notebook 08): the learner's pieces, run in the real script under torchrun.
 
-The learner writes ``all_reduce_sums`` (the evaluation's all-reduce),
-``save_checkpoint`` and ``load_checkpoint`` (DCP), and ``capstone_pieces()``
-returning them by name. Each rubric item of ``quizzes/08_capstone.toml`` is one
-checker here with one named case; all four come from the same runs, made once
-per set of pieces (:mod:`.runs`) and reused:
+The learner writes ``all_reduce_sums`` (the evaluation's all-reduce, on the core
+path: §5) and, in a deep dive (§10), ``save_checkpoint`` and ``load_checkpoint``
+(DCP) with ``capstone_pieces()`` returning those two by name. Each rubric item of
+``quizzes/08_capstone.toml`` is one checker here with one named case:
+:func:`check_evaluates` grades ``all_reduce_sums`` alone (item (c): the script
+under torchrun with the learner's reduction and its own checkpoint code); the
+other three grade ``capstone_pieces`` and come from the same runs, made once per
+set of pieces (:mod:`.runs`) and reused:
 
 (a) ``08.trains``: ``train_gpt.py --pieces`` under ``torchrun
     --nproc-per-node=2`` (FSDP2) logs every step with exactly the loss of the
@@ -47,31 +50,44 @@ from ...torchrun.runs import losses, resumes
 from . import runs as R
 from .probes import read_evals, read_guarded, read_loads
 
-__all__ = ["ITEMS", "grade", "check_trains", "check_resumes", "check_evaluates",
-           "check_reshards", "pieces_of", "last_resume_step", "steps_done_twice",
-           "throughput_ratio"]
+__all__ = ["ITEMS", "NEEDS", "grade", "grade_evaluation", "check_trains", "check_resumes",
+           "check_evaluates", "check_reshards", "pieces_of", "last_resume_step",
+           "steps_done_twice", "throughput_ratio"]
 
 ITEMS = {"a": "(a) trains under torchrun on 2 ranks",
          "b": "(b) resumes bit-identically after a SIGKILL",
          "c": "(c) distributed eval equals single-process eval",
          "d": "(d) the checkpoint reshards 2 -> 1"}
 NAMES = ("all_reduce_sums", "save_checkpoint", "load_checkpoint")
+CHECKPOINT = ("save_checkpoint", "load_checkpoint")
+# the pieces each rubric item judges: (c) the reduction alone, the others the checkpoint code
+NEEDS = {"a": CHECKPOINT, "b": CHECKPOINT, "c": ("all_reduce_sums",), "d": CHECKPOINT}
 
 
-def pieces_of(fn) -> dict[str, Callable]:
-    """The learner's three functions from ``capstone_pieces()`` (AssertionError: why not)."""
+def _needed(items: str) -> tuple[str, ...]:
+    return tuple(n for n in NAMES if any(n in NEEDS[i] for i in items))
+
+
+def pieces_of(fn, names: tuple[str, ...] = CHECKPOINT) -> dict[str, Callable]:
+    """The learner's functions from ``capstone_pieces()``, exactly ``names`` (AssertionError:
+    why not). The notebook's ``capstone_pieces`` returns the two checkpoint functions."""
     assert callable(fn), f"capstone_pieces must be a function, got {type(fn).__name__}"
     pieces = fn()
-    assert isinstance(pieces, dict) and set(pieces) == set(NAMES), (
-        f"capstone_pieces() must return a dict with exactly the keys {list(NAMES)}, got "
+    assert isinstance(pieces, dict) and set(pieces) == set(names), (
+        f"capstone_pieces() must return a dict with exactly the keys {list(names)}, got "
         f"{sorted(pieces) if isinstance(pieces, dict) else type(pieces).__name__}")
     for name, f in pieces.items():
-        assert callable(f), f"capstone_pieces()[{name!r}] is {type(f).__name__}, not a function"
-        module = getattr(f, "__module__", "") or ""
-        assert not module.startswith("labkit."), (
-            f"capstone_pieces()[{name!r}] is {module}.{getattr(f, '__qualname__', name)}, the "
-            f"project's own: write your own {name}")
+        _own(f, f"capstone_pieces()[{name!r}]", name)
     return dict(pieces)
+
+
+def _own(f, what: str, name: str) -> None:
+    """AssertionError unless ``f`` is a function and not the project's own ``name``."""
+    assert callable(f), f"{what} is {type(f).__name__}, not a function"
+    module = getattr(f, "__module__", "") or ""
+    assert not module.startswith("labkit."), (
+        f"{what} is {module}.{getattr(f, '__qualname__', name)}, the project's own: write your "
+        f"own {name}")
 
 
 def _is_stub(f) -> bool:
@@ -89,19 +105,36 @@ def _digest(pieces: dict) -> str:
         return repr(sorted((k, id(v)) for k, v in pieces.items()))
 
 
-def grade(fn, items: str = "abcd") -> dict[str, Case]:
-    """Run the capstone grader on ``capstone_pieces`` ``fn``: ``{item letter: Case}``.
+def grade(fn, items: str = "abd") -> dict[str, Case]:
+    """Run the capstone grader on ``fn``, a ``capstone_pieces``: ``{item letter: Case}``.
 
-    ``items`` picks the rubric items (tests use fewer to save time): without
-    ``b`` nobody is killed; without ``d`` there is no 1-rank run.
+    ``fn()`` returns exactly the pieces the ``items`` judge (:data:`NEEDS`): the notebook's
+    ``capstone_pieces`` the two checkpoint functions for (a), (b) and (d); the tests grade a
+    reduction and a checkpoint code together in one run ("abcd"). Without ``b`` nobody is
+    killed; without ``d`` there is no 1-rank run; without ``c`` the script evaluates with its
+    own reduction.
     """
     try:
-        pieces = pieces_of(fn)
+        pieces = pieces_of(fn, _needed(items))
     except AssertionError as exc:
         return {i: Case(ITEMS[i], False, str(exc)) for i in items}
+    return _grade_pieces(pieces, items)
+
+
+def grade_evaluation(all_reduce_sums) -> Case:
+    """Item (c) alone, on the learner's ``all_reduce_sums`` (notebook 08 §5, the core path):
+    the script under torchrun on 2 ranks with that reduction and its own checkpoint code."""
+    try:
+        _own(all_reduce_sums, "all_reduce_sums", "all_reduce_sums")
+    except AssertionError as exc:
+        return Case(ITEMS["c"], False, str(exc))
+    return _grade_pieces({"all_reduce_sums": all_reduce_sums}, "c")["c"]
+
+
+def _grade_pieces(pieces: dict, items: str) -> dict[str, Case]:
     if all(_is_stub(f) for f in pieces.values()):
-        raise NotImplementedError("all_reduce_sums, save_checkpoint and load_checkpoint are "
-                                  "still stubs")
+        raise NotImplementedError(f"{', '.join(pieces)}: still "
+                                  f"{'a stub' if len(pieces) == 1 else 'stubs'}")
     key = _digest(pieces)
     hit = _CACHE.get(key, {})
     if set(items) <= set(hit):
@@ -159,11 +192,17 @@ def _one(item: str) -> Callable:
     def checker(fn) -> list[Case]:
         return [grade(fn)[item]]
     checker.__name__ = f"check_{item}"
-    checker.__doc__ = f"Bank checker of rubric item {ITEMS[item]} (all four share one grading run)."
+    checker.__doc__ = (f"Bank checker of rubric item {ITEMS[item]} on ``capstone_pieces`` (the "
+                       f"three checkpoint items share one grading run).")
     return checker
 
 
-check_trains, check_resumes, check_evaluates, check_reshards = (_one(i) for i in "abcd")
+check_trains, check_resumes, check_reshards = (_one(i) for i in "abd")
+
+
+def check_evaluates(all_reduce_sums) -> list[Case]:
+    """Bank checker of rubric item (c) on the learner's ``all_reduce_sums`` (its own run)."""
+    return [grade_evaluation(all_reduce_sums)]
 
 
 # ------------------------------------------------------------------ (a) trains

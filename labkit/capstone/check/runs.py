@@ -5,9 +5,9 @@
   checkpoint the whole model and optimizer state and each rank's RNG state.
   Computed once per process and reused by every case.
 * :func:`learner_run` — ``torchrun --nproc-per-node=2`` of ``train_gpt.py
-  --pieces FILE`` with the learner's pieces (wrapped by :mod:`.probes`); when
-  asked, rank 1 is SIGKILLed after step :data:`KILL_AFTER` and torchrun restarts
-  the group once.
+  --pieces FILE`` with the learner's pieces (wrapped by :mod:`.probes`; the
+  script keeps its own functions for the pieces not given); when asked, rank 1 is
+  SIGKILLed after step :data:`KILL_AFTER` and torchrun restarts the group once.
 * :func:`start_reshard` — ``torchrun --nproc-per-node=1`` resuming a checkpoint the
   learner's code wrote on 2 ranks (started as soon as that checkpoint exists), a copy
   with every floating-point tensor doubled (:func:`disguise_checkpoint`): a load that
@@ -134,18 +134,21 @@ def digest(pieces: dict) -> str:
 
 
 def ship(pieces: dict, probe_dir: Path, path: Path) -> Path:
-    """Write the ``--pieces`` file: the learner's functions (by value), eval and load probed,
-    the project's own functions guarded (:class:`.Guard`, unpickled first), the
+    """Write the ``--pieces`` file: the learner's functions given (by value), eval and load
+    probed, the project's own functions guarded (:class:`.Guard`, unpickled first), the
     evaluation's disguise drawn from a secret of this grading."""
     import secrets
 
     guard, folder = Guard(str(probe_dir)), str(probe_dir)
-    shipped = {"all_reduce_sums": functools.partial(reduce_probe, guard,
-                                                    pieces["all_reduce_sums"], folder,
-                                                    secrets.randbits(62)),
-               "save_checkpoint": pieces["save_checkpoint"],
-               "load_checkpoint": functools.partial(load_probe, guard,
-                                                    pieces["load_checkpoint"], folder)}
+    probed = {"all_reduce_sums": lambda f: functools.partial(reduce_probe, guard, f, folder,
+                                                             secrets.randbits(62)),
+              "load_checkpoint": lambda f: functools.partial(load_probe, guard, f, folder)}
+    assert any(name in pieces for name in probed), f"nothing to probe in {sorted(pieces)}"
+    # the probed pieces first: a pickle loads in order, so the guard is in place before any
+    # of the learner's functions (and what they name) is loaded; the script keeps its own
+    # functions for the pieces not given
+    shipped = {name: probe(pieces[name]) for name, probe in probed.items() if name in pieces}
+    shipped.update({name: f for name, f in pieces.items() if name not in probed})
     path.write_bytes(_by_value(pieces, shipped))
     return path
 
@@ -206,7 +209,8 @@ def _finish(job: Job, result: LearnerRun) -> LearnerRun:
 
 def learner_run(pieces: dict, work: Path, kill: bool,
                 on_kill: Callable[[], None] | None = None) -> LearnerRun:
-    """torchrun on 2 ranks with the learner's pieces; SIGKILL rank 1 after step KILL_AFTER.
+    """torchrun on 2 ranks with the learner's pieces; with ``kill``, SIGKILL rank 1 after step
+    KILL_AFTER (the steps then paced by STEP_DELAY, room to kill between two checkpoints).
 
     ``on_kill`` is called right after the kill (the 1-rank run starts then, while torchrun
     restarts this one: the two overlap).
@@ -214,8 +218,8 @@ def learner_run(pieces: dict, work: Path, kill: bool,
     out, probe_dir = work / "run", work / "probes"
     probe_dir.mkdir(parents=True, exist_ok=True)
     shipped = ship(pieces, probe_dir, work / "pieces.pkl")
-    args = ARGV + ["--out-dir", str(out), "--pieces", str(shipped),
-                   "--step-delay", STEP_DELAY]
+    args = ARGV + ["--out-dir", str(out), "--pieces", str(shipped)]
+    args += ["--step-delay", STEP_DELAY] if kill else []
     job = launch(SCRIPT, args, nproc_per_node=2, max_restarts=1 if kill else 0, echo=False,
                  env=ENV)
     result = LearnerRun(None, out, probe_dir)
