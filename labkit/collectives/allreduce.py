@@ -33,9 +33,9 @@ from ..runtime import run
 from ..grading.references import reference
 from .trace import RankTrace, Trace, now, tracing
 
-__all__ = ["ring_all_reduce", "naive_all_reduce", "ring_schedule", "expected_traffic",
-           "ring_bytes_per_rank", "naive_master_bytes", "check_traffic", "record",
-           "powers_of_ten"]
+__all__ = ["ring_all_reduce", "naive_all_reduce", "send_right_recv_left", "ring_schedule",
+           "expected_traffic", "ring_bytes_per_rank", "naive_master_bytes", "check_traffic",
+           "record", "powers_of_ten"]
 
 
 # ------------------------------------------------------------------ the algorithms
@@ -99,12 +99,50 @@ def naive_all_reduce(tensor, op: Any = "sum", *, trace: RankTrace | None = None)
     return _finish(tensor, flat, mean, n)
 
 
+@reference
 def _ring_chunks(rank: int, n: int):
-    """(chunk sent, chunk received) by ``rank`` in each of the 2(N-1) ring steps."""
+    """(chunk sent, chunk received) by ``rank`` in each of the 2(N-1) ring steps.
+
+    Marked as a lab reference (:mod:`labkit.grading.references`), like :func:`ring_schedule`:
+    which chunk moves in which step is what the 03.reduce_scatter_step build asks."""
     for s in range(n - 1):                            # reduce-scatter
         yield (rank - s) % n, (rank - s - 1) % n
     for s in range(n - 1):                            # all-gather: pass the reduced chunks on
         yield (rank + 1 - s) % n, (rank - s) % n
+
+
+def send_right_recv_left(send, like):
+    """One ring message pair, inside a rank: send ``send`` to the right neighbour, rank
+    (r+1) mod N, while receiving from the left neighbour, rank (r-1) mod N, a tensor shaped
+    like ``like``; return what arrived (a new tensor: ``like`` itself is left as it was).
+
+    Both messages are posted before either is waited for, so no rank waits for a neighbour
+    that is itself waiting (notebook 03 §6.1); on NCCL the pair goes in one
+    ``batch_isend_irecv`` group. An empty tensor is not sent, and an empty ``like`` receives
+    nothing (a tensor shorter than N has empty chunks). The received buffer starts as zeros:
+    gloo accepts a message shorter than the buffer without an error and leaves the rest as it
+    was. It is not the lesson: which chunk to send and which to receive is
+    (``lk.exercise.check("03.reduce_scatter_step", ...)``).
+
+    Example (rank r of N, each chunk ``c`` a view of the rank's tensor)::
+
+        incoming = lk.collectives.send_right_recv_left(chunks[r], chunks[(r - 1) % n])
+    """
+    import torch
+    import torch.distributed as dist
+    n, rank = dist.get_world_size(), dist.get_rank()
+    incoming = torch.zeros_like(like, memory_format=torch.contiguous_format)
+    out = send if send.is_contiguous() else send.contiguous()
+    ops = [(f, t, peer) for f, t, peer in ((dist.irecv, incoming, (rank - 1) % n),
+                                            (dist.isend, out, (rank + 1) % n)) if t.numel()]
+    if ops:
+        if out.is_cuda:                                   # NCCL: the pair as one batch
+            works = dist.batch_isend_irecv([dist.P2POp(f, t, peer) for f, t, peer in ops])
+        else:
+            works = [f(t, peer) for f, t, peer in ops]
+        for w in works:
+            w.wait()
+    return incoming
 
 
 def _exchange(out, right: int, target, left: int, buf, trace, step: int, send_c: int,
@@ -200,6 +238,7 @@ def _finish(tensor, flat, mean: bool, n: int):
 
 
 # ------------------------------------------------------------------ traffic
+@reference
 def ring_schedule(world_size: int) -> list[dict]:
     """The ring's plan: for each step, which chunk every rank sends to its right neighbour.
 

@@ -1,4 +1,8 @@
-"""Checking an all-reduce against ``dist.all_reduce``, case by case (the notebook 03 exercise).
+"""Checking an all-reduce against ``dist.all_reduce``, case by case (the notebook 03 §7 exercise).
+
+The §2 build, one step of the ring's reduce-scatter (``03.reduce_scatter_step``), has its own
+checker in :mod:`~labkit.collectives.check.step`; both read a failed job the same way
+(:mod:`~labkit.collectives.check.runs`).
 
 Each case of :data:`~labkit.collectives.check.cases.CASES` runs on real ranks
 (:func:`~labkit.collectives.check.cases.compare_job`), on 2, 3 and 4 of them; on 3 and 4 the
@@ -16,19 +20,21 @@ why. Exposed as ``lk.collectives.CASES`` and ``lk.collectives.check_ring_exercis
 from __future__ import annotations
 
 import json
-import os
-import re
 from typing import Callable
 
 from ...grading.exercise import Case, NotDone
 from ...grading.references import reference_problem
 from ...runtime import run
-from ...runtime.result import error_kind
 from .cases import CASES, TRAFFIC, case_tensor, compare_job
+from .runs import HEADER_BYTES as _HEADER_BYTES
+from .runs import clean as _clean
+from .runs import failure as _failure
+from .runs import recorder_env as _recorder_env
+from .runs import stuck as _stuck
+from .step import STEP_CASES, check_reduce_scatter_step, replay, step_job, step_tensor
 
-__all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job", "check_ring_exercise"]
-
-_HEADER_BYTES = 160        # gloo's framing per send/recv pair is 144 bytes (torch 2.13)
+__all__ = ["CASES", "TRAFFIC", "case_tensor", "compare_job", "check_ring_exercise",
+           "STEP_CASES", "check_reduce_scatter_step", "replay", "step_job", "step_tensor"]
 
 
 # ------------------------------------------------------------------ the exercise checker
@@ -74,28 +80,6 @@ def check_ring_exercise(fn: Callable, world_sizes: tuple = (2, 3, 4), timeout: f
     return cases
 
 
-def _recorder_env() -> dict | None:
-    """Turn the flight recorder back on for the checker's ranks if the environment set it."""
-    keys = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-    return {k: "2000" for k in keys} if any(k in os.environ for k in keys) else None
-
-
-def _stuck(res) -> bool:
-    """Did the job deadlock (hung, or a rank's receive timed out)?"""
-    return any(r.status == "hung" or "Timed out" in (r.error or "") for r in res.ranks)
-
-
-def _failure(res):
-    """The rank whose failure explains the job: a timeout or own error, not a peer's echo."""
-    failed = [r for r in res.ranks if not r.ok]
-    for good in (lambda r: r.status == "hung" or "Timed out" in (r.error or ""),
-                 lambda r: error_kind(r.error or "") != "echo"):
-        pick = [r for r in failed if good(r)]
-        if pick:
-            return pick[0]
-    return failed[0] if failed else None
-
-
 def _rows_of(rank) -> list[dict]:
     """A rank's rows: what it returned when it finished, else the rows it printed before."""
     if rank.ok and isinstance(rank.value, list):
@@ -135,11 +119,6 @@ def _verdict(n: int, name: str, rows: list[list[dict]], res) -> tuple:
     if failed.status == "raised":
         return False, _clean((failed.error or "").split(": ", 1)[-1])
     return False, _clean(failed.describe())
-
-
-def _clean(text: str) -> str:
-    """Drop gloo's source locations ("[/__w/.../pair.cc:553] ") from an error message."""
-    return re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", text)
 
 
 def _last_case(stdout: str) -> str | None:
