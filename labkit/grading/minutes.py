@@ -146,7 +146,8 @@ def _questions(source: str) -> set[str]:
 def estimate(path: Path, executed: Path | None = None,
              shown_before: dict[str, set[str]] | None = None) -> list[Estimate]:
     """Every section of the solved notebook ``path``, estimated by the method above.
-    ``executed``: its executed copy (outputs, and each code cell's ``metadata.labkit.seconds``);
+    ``executed``: its executed copy (outputs, and each code cell's ``metadata.labkit.seconds``;
+    ignored unless its code cells are this notebook's);
     ``shown_before``: the constructs earlier notebooks show, ``{"core": ..., "deep dive": ...}``
     (a core exercise counts only what the core path showed; a deep dive's, every earlier cell),
     updated in place with this notebook's."""
@@ -156,6 +157,10 @@ def estimate(path: Path, executed: Path | None = None,
     ran = None
     if executed is not None and executed.exists():
         ran = [c for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code"]
+        now = [c.source for c in nbformat.read(path, as_version=4).cells
+               if c.cell_type == "code"]
+        if [c.source for c in ran] != now:        # a copy of an older version: not this one
+            ran = None
     out, n = [], 0
     for sec in sections(path):
         table = [ln for ln in sec.md if ln.lstrip().startswith("|")]
@@ -217,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the executed copies (default: build/executed, from the tests)")
     args = parser.parse_args(argv)
     table = course_estimates(SOLUTIONS, args.executed)
-    have = any((args.executed / f"{stem}.ipynb").exists() for stem in table)
-    if not have:
-        print(f"no executed copies in {args.executed}: run the test command first; showing the "
-              "lower bound (words, questions, exercises) only", file=sys.stderr)
+    missing = [stem for stem, rows in table.items() if rows and rows[0].full is None]
+    if missing:
+        print(f"no executed copy of {', '.join(missing)} in {args.executed} that matches the "
+              "notebook (run the test command, or `.venv/bin/python -m pytest "
+              "solutions/NN_name.ipynb`): for those, the lower bound only (words, questions, "
+              "exercises)", file=sys.stderr)
     for stem, rows in table.items():
         if args.lessons and stem[:2] not in args.lessons:
             continue

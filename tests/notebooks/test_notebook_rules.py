@@ -134,6 +134,16 @@ def test_the_core_path_through_00_to_05_takes_about_75_minutes():
         f"the core path takes {total} min ({per_notebook}); the seed lesson is 75")
 
 
+def test_each_lesson_beyond_the_seed_keeps_its_core_path_to_about_75_minutes():
+    """06, 07, 08 (and any later lesson) are lessons of their own: each core path is at most
+    about the seed lesson's length, its exercises counted by what they ask; the rest is deep
+    dives."""
+    long = {p.stem: total for p in SOLVED if p not in SEED
+            for total in [sum(s["minutes"] for s in sections(p) if s["route"] == "core")]
+            if total > CORE_MINUTES[1]}
+    assert not long, f"core paths over {CORE_MINUTES[1]} minutes: {long}"
+
+
 def route_row(path: Path) -> str:
     """The README's row for one notebook in "Two routes": each route's minutes and sections."""
     cells = []
@@ -349,6 +359,10 @@ def test_an_executed_copy_adds_outputs_and_run_time(tmp_path):
     [warm, _] = method.estimate(path, ran)
     assert warm.full - warm.static == pytest.approx(1.5)
     [warm, _] = method.estimate(path)
+    assert warm.full is None
+    nb.cells[1].source = "x = 2"                             # a copy of an older version
+    nbformat.write(nb, ran)
+    [warm, _] = method.estimate(path, ran)
     assert warm.full is None
 
 
