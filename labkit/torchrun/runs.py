@@ -3,7 +3,8 @@
 :mod:`labkit.torchrun.train`'s rank 0 logs ``step N/M | epoch E | loss L | attempt A`` and, after a
 restart, ``resumed from <snapshot>: step N, ...``. These functions read those lines out of a
 :class:`~labkit.runtime.torchrun.log.Run` (what ``lk.torchrun.run``/``job.wait()`` return) for
-notebook 05 ("Launch it, crash it, kill it").
+notebook 05 ("Launch it, kill it, watch it resume" and "An exception, then a SIGKILL: the whole
+log").
 
 Example::
 

@@ -86,9 +86,12 @@ def unshared(tmp_path_factory):
 
 
 def test_torchrun_sets_the_environment_and_the_script_initialises(shared, unshared):
-    """05 "Build it: from `mp.spawn` to a torchrun script": “torchrun only starts the processes
+    """05 "From `mp.spawn` to torchrun: the diff": “torchrun only starts the processes
     and sets the environment variables that `init_process_group` reads; the script calls
-    `init_process_group` itself”. And 00 "2 · Hello, all-reduce": “torchrun only starts the
+    `init_process_group` itself”. 05 "Build it: the lines that make a script a torchrun script":
+    “`dist.init_process_group("gloo")`, which, given no rank, size or address, reads `RANK`,
+    `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` itself” (the worker calls it so, and the
+    all-reduce of its group sums both workers' ones). And 00 "2 · Hello, all-reduce": “torchrun only starts the
     processes and sets the environment variables that `init_process_group` reads; the script
     calls `init_process_group` itself”."""
     for attempt in list(shared.values()) + list(unshared.values()):
@@ -101,7 +104,7 @@ def test_torchrun_sets_the_environment_and_the_script_initialises(shared, unshar
 
 
 def test_torchrun_sets_omp_threads_and_nccl_error_handling(shared):
-    """05 "Build it: from `mp.spawn` to a torchrun script": “1 when `--nproc-per-node` is more
+    """05 "From `mp.spawn` to torchrun: the diff": “1 when `--nproc-per-node` is more
     than 1 and you did not set it” and “torchrun sets `TORCH_NCCL_ASYNC_ERROR_HANDLING=1` in its
     workers unless you set it”."""
     for attempt in shared.values():
@@ -113,7 +116,7 @@ def test_torchrun_sets_omp_threads_and_nccl_error_handling(shared):
 
 
 def test_the_shared_store_keeps_master_port_across_restarts(shared):
-    """05 "Launch it, crash it, kill it": “By default (torch 2.13.0) the workers of every attempt
+    """05 "An exception, then a SIGKILL: the whole log": “By default (torch 2.13.0) the workers of every attempt
     share one TCPStore, hosted by the agent that became node 0 at the first rendezvous, so
     `MASTER_PORT` stays the same across restarts”."""
     ports = {seen["MASTER_PORT"] for attempt in shared.values() for seen in attempt.values()}
@@ -124,8 +127,10 @@ def test_the_shared_store_keeps_master_port_across_restarts(shared):
 
 
 def test_without_the_shared_store_every_attempt_gets_a_new_port(unshared):
-    """05 "Launch it, crash it, kill it": “With `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, which this
-    lab sets, every attempt gets a new free port and rank 0's worker hosts the store”."""
+    """05 "An exception, then a SIGKILL: the whole log": “With `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, which this
+    lab sets, every attempt gets a new free port and rank 0's worker hosts the store”. 05 "Launch
+    it, kill it, watch it resume" (the lab's jobs run with it): “both workers joining again on a
+    new `MASTER_PORT`”."""
     ports = [unshared[a]["0"]["MASTER_PORT"] for a in (0, 1)]
     assert ports[0] != ports[1]
     for attempt in unshared.values():

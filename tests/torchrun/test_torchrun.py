@@ -1,11 +1,12 @@
 """Real torchrun jobs: a damaged snapshot under torchrun, two agents, the examples, cleanup.
 
 Every job here is small (2 workers, 1 thread each) and every test ends with no
-process of any torchrun job left alive. Two scenarios are asserted where the learner sees
+process of any torchrun job left alive. Three scenarios are asserted where the learner sees
 them, in notebook 05 (every test run executes both of its versions: the solved one under
 nbval, the student copy in the browser test; so they are not run a third time here): a crash and a SIGKILL -> two restarts -> resume bit for bit, with the
-agent's failure records, the injected fault and the killed pid (section "Launch it, crash it,
-kill it"); and ``@record`` putting the traceback into the agent's summary (section
+agent's failure records, the injected fault and the killed pid (section "An exception, then a
+SIGKILL: the whole log"), and the learner's entry point under torchrun, a SIGKILL, one restart
+and a bit-identical resume (section "Launch it, kill it, watch it resume"); and ``@record`` putting the traceback into the agent's summary (section
 "`@record`").
 """
 from __future__ import annotations
@@ -42,6 +43,31 @@ def reference():
 
 
 # ------------------------------------------------------------------ pure logic
+def test_follow_prints_the_lines_worth_reading():
+    """lk.torchrun.follow (notebook 05's core launch): the agent's starts, failures and restarts,
+    each rank's own lines, and of a traceback only its last line."""
+    from labkit.runtime.torchrun.log import Line
+    from labkit.torchrun.entry import worth_reading
+
+    def line(source, text, level="", key=True):
+        return Line(0.0, 0, source, 0, text, level, key)
+    assert worth_reading(line("rank", "step    4/32 | epoch 0 | loss 1.046310 | attempt 0"))
+    assert worth_reading(line("rank", "rank 1 of 2 joined (LOCAL_RANK=1, MASTER_PORT=1, attempt 0)"))
+    assert not worth_reading(line("rank", ' Traceback (most recent call last):'))
+    assert not worth_reading(line("rank", '   File "train.py", line 3, in main'))
+    assert worth_reading(line("rank", " RuntimeError: [pair.cc:537] Connection reset by peer"))
+    assert worth_reading(line("rank", " InjectedFault: injected fault: rank 1 crashes at step 20"))
+    assert not worth_reading(line("rank", "<frozen runpy>:128: RuntimeWarning: found in sys.modules"))
+    assert worth_reading(line("agent", "failed (exitcode: -9) local_rank: 1 (pid: 5) of binary: x",
+                              "E"))
+    assert worth_reading(line("agent", "[default] Worker group FAILED. 1/1 attempts left; will "
+                                       "restart worker group", "I"))
+    assert not worth_reading(line("agent", "[default] Rendezvous'ing worker group", "I"))
+    assert worth_reading(line("agent", "torch.distributed.elastic.multiprocessing.errors."
+                                       "ChildFailedError:"))
+    assert worth_reading(line("notebook", "sent SIGKILL to rank 1 (pid 5)"))
+
+
 def test_command_line():
     cmd = command("labkit.torchrun.train", ["--epochs", 1], nproc_per_node=2, max_restarts=2)
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]

@@ -1,4 +1,7 @@
-"""The torchrun exercise (05.train_ddp) cannot be passed by one process training alone.
+"""Notebook 05's checkers cannot be gamed: the core build (05.torchrun_lines, below the
+DDP exercise's tests) and the DDP exercise (05.train_ddp).
+
+05.train_ddp cannot be passed by one process training alone.
 
 Before, the checker compared final parameters only: a ``train_ddp`` that returned
 ``lk.torchrun.check.oracle(...)`` (or trained the whole dataset alone in each worker, in the
@@ -151,3 +154,294 @@ def test_gradients_averaged_once_instead_of_every_step_are_not_enough():
         "DistributedDataParallel(model)" in problem
     every_step = {**report["value"], "collectives": [("gloo:all_reduce", params)] * 64}
     assert _sync_problem({"rank": 1, "value": every_step}, 2, EXERCISE_KWARGS) is None
+
+
+# ====================================================================== 05.torchrun_lines
+# The core build: the lines that make a plain script a torchrun script (labkit/torchrun/check/
+# lines.py). Every answer below runs under real torchrun (run A: 2 workers, a crash, a restart;
+# run B: 3 nodes on loopback) and must fail a case that names what it did:
+#
+# * lazy and wrong answers: ``hard_codes_rank_0``, ``hard_codes_world_size_2``,
+#   ``reads_local_rank`` (LOCAL_RANK for RANK: 0 on every node of run B), ``never_joins``,
+#   ``joins_its_own_address`` (init without the environment: a fixed tcp:// port),
+#   ``never_destroys``, ``swallows_the_failure`` (no worker fails, so torchrun never restarts);
+# * the lab's own code doing the work: ``calls_the_lab`` (lk.torchrun.torchrun_main, a
+#   labkit.grading.references reference);
+# * a side channel: ``joins_through_a_file`` (init_method="file://..."), and
+#   ``fakes_the_group_through_the_store`` / ``fakes_the_group_through_a_file``: no process
+#   group at all, a stand-in for torch.distributed whose all_gather_object moves the data
+#   through the TCPStore at MASTER_PORT or through files (gloo's flight recorder sees no
+#   all-gather);
+# * hidden state: n.a.: every worker of every attempt is a fresh process, judged on what it ran;
+#   a copied oracle: n.a.: the secrets gathered are drawn in each worker after it joined;
+#   a computation not split: n.a.: the build splits nothing.
+
+LINES_ALL = ["every worker joins one process group as its own RANK",
+             "rank is the worker's RANK, not its LOCAL_RANK (3 nodes)",
+             "world_size is WORLD_SIZE, not a number written in (a job of 3)",
+             "init_process_group takes the job from torchrun's environment",
+             "survives a crash: torchrun restarts it and it joins again",
+             "destroys the process group",
+             "joins by itself, not with the lab's torchrun_main"]
+JOINS, RANK_CASE, WORLD_CASE, FROM_ENV, SURVIVES, DESTROYS, OWN = LINES_ALL
+
+
+def lines_answer(body, *args):
+    """The reference answer."""
+    import os
+
+    import torch.distributed as dist
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    try:
+        return body(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def hard_codes_rank_0(body, *args):
+    import os
+
+    import torch.distributed as dist
+    rank, world_size = 0, int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    try:
+        return body(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def hard_codes_world_size_2(body, *args):
+    import os
+
+    import torch.distributed as dist
+    rank, world_size = int(os.environ["RANK"]), 2
+    dist.init_process_group("gloo")
+    try:
+        return body(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def reads_local_rank(body, *args):
+    import os
+
+    import torch.distributed as dist
+    rank, world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    try:
+        return body(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def never_joins(body, *args):
+    import os
+    return body(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args)
+
+
+def joins_its_own_address(body, *args):
+    """init_process_group on a fixed port of its own, as a tutorial's MASTER_PORT=12355."""
+    import os
+
+    import torch.distributed as dist
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29512", rank=rank,
+                            world_size=world_size)
+    try:
+        return body(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def joins_through_a_file(body, *args):
+    """A real group, met through a file instead of torchrun's rendezvous."""
+    import os
+
+    import torch.distributed as dist
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    path = f"/tmp/labkit-side-{os.environ['TORCHELASTIC_RUN_ID']}-{os.environ['MASTER_PORT']}"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
+                            world_size=world_size)
+    try:
+        return body(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def never_destroys(body, *args):
+    import os
+
+    import torch.distributed as dist
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    return body(rank, world_size, *args)
+
+
+def swallows_the_failure(body, *args):
+    import os
+
+    import torch.distributed as dist
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    try:
+        return body(rank, world_size, *args)
+    except Exception as exc:                         # noqa: BLE001
+        print(f"rank {rank}: ignored {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def calls_the_lab(body, *args):
+    import labkit as lk
+    return lk.torchrun.torchrun_main(body, *args)
+
+
+def _stand_in(gather):
+    """Patch torch.distributed so that a script sees a group that does not exist: ``gather(obj)``
+    returns every worker's object, moved some other way."""
+    import os
+
+    import torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = gather(obj)
+
+    dist.is_initialized = lambda: True
+    dist.get_rank = lambda group=None: rank
+    dist.get_world_size = lambda group=None: world
+    dist.get_backend = lambda group=None: "gloo"
+    dist.all_gather_object = all_gather_object
+    dist.destroy_process_group = lambda group=None: None
+    return rank, world
+
+
+def fakes_the_group_through_the_store(body, *args):
+    import os
+    import pickle
+
+    import torch.distributed as dist
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          rank == 0)
+    count = [0]
+
+    def gather(obj):
+        count[0] += 1
+        store.set(f"side/{count[0]}/{rank}", pickle.dumps(obj))
+        return [pickle.loads(store.get(f"side/{count[0]}/{r}")) for r in range(world)]
+
+    _stand_in(gather)
+    return body(rank, world, *args)
+
+
+def fakes_the_group_through_a_file(body, *args):
+    import os
+    import pickle
+    import time
+    from pathlib import Path
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    folder = Path(f"/tmp/labkit-side-{os.environ['TORCHELASTIC_RUN_ID']}-"
+                  f"{os.environ['MASTER_PORT']}")
+    folder.mkdir(exist_ok=True)
+
+    def gather(obj):
+        (folder / f"{rank}.tmp").write_bytes(pickle.dumps(obj))
+        os.replace(folder / f"{rank}.tmp", folder / str(rank))
+        while not all((folder / str(r)).exists() for r in range(world)):
+            time.sleep(0.01)
+        return [pickle.loads((folder / str(r)).read_bytes()) for r in range(world)]
+
+    _stand_in(gather)
+    return body(rank, world, *args)
+
+
+def _lines_cases(answer):
+    import glob
+    import shutil
+
+    from labkit.torchrun.check.lines import check_torchrun_lines
+    before = set(glob.glob("/tmp/labkit-side-*"))
+    try:
+        cases = check_torchrun_lines(answer)
+    finally:                                  # what the side-channel answers left behind
+        for path in set(glob.glob("/tmp/labkit-side-*")) - before:
+            shutil.rmtree(path, ignore_errors=True)
+    assert [c.name for c in cases] == LINES_ALL
+    return {c.name: c for c in cases}
+
+
+def test_the_reference_lines_pass_every_case():
+    cases = _lines_cases(lines_answer)
+    assert all(c.passed for c in cases.values()), {n: c.detail for n, c in cases.items()}
+
+
+NOT_JOINED = "not counted: the workers did not all join one group"
+
+
+@pytest.mark.parametrize("answer, failing, words", [
+    (hard_codes_rank_0, [RANK_CASE], "passed rank=0 whatever torchrun set"),
+    (hard_codes_world_size_2, [WORLD_CASE], "passed world_size=2 whatever torchrun set"),
+    (reads_local_rank, [RANK_CASE], "its LOCAL_RANK, the rank on its node"),
+    (never_destroys, [DESTROYS], "call dist.destroy_process_group() in a finally: block"),
+    (swallows_the_failure, [SURVIVES], "torchrun never restarted the group"),
+    (calls_the_lab, [OWN], "lk's torchrun.entry.torchrun_main ran inside your answer"),
+])
+def test_a_wrong_line_fails_the_case_that_names_it(answer, failing, words):
+    cases = _lines_cases(answer)
+    assert [n for n, c in cases.items() if not c.passed] == failing, \
+        {n: c.detail for n, c in cases.items()}
+    assert words in cases[failing[0]].detail, cases[failing[0]].detail
+
+
+@pytest.mark.parametrize("answer, words", [
+    (never_joins, "ran its body with no process group"),
+    (joins_its_own_address, "init_method='tcp://127.0.0.1:29512'"),
+    (joins_through_a_file, "init_method='file:///tmp/labkit-side-"),
+    (fakes_the_group_through_the_store, "gloo ran no all-gather and torch has no process "
+                                        "group: the data went through a side channel"),
+    (fakes_the_group_through_a_file, "gloo ran no all-gather and torch has no process "
+                                     "group: the data went through a side channel"),
+])
+def test_a_group_not_joined_from_torchruns_environment_fails_by_name(answer, words):
+    """No group, or one met elsewhere: the join case names it, and what the workers pass idly
+    without a group (the restart, the cleanup, no lab code) is not counted."""
+    cases = _lines_cases(answer)
+    assert not cases[JOINS].passed
+    where = cases[FROM_ENV] if "init_method" in words else cases[JOINS]
+    assert words in where.detail, {n: c.detail for n, c in cases.items()}
+    for name in (SURVIVES, DESTROYS, OWN):
+        assert cases[name].detail.startswith(NOT_JOINED), (name, cases[name].detail)
+
+
+def test_an_init_that_ignores_the_environment_is_named_before_it_can_hang():
+    """Pure logic: what the harness stops, and why (no launch)."""
+    from labkit.torchrun.check.lines import _init_problem
+    env = {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "localhost",
+           "MASTER_PORT": "41311"}
+
+    def call(**kw):
+        return {"store": None, "init_method": None, "rank": -1, "world_size": -1,
+                "env": dict(env), **kw}
+    assert _init_problem(call(), env) is None
+    assert _init_problem(call(rank=2, world_size=3, init_method="env://"), env) is None
+    assert _init_problem(call(init_method="tcp://localhost:41311"), env) is None
+    assert "init_process_group(rank=0), but torchrun made it RANK=2" in \
+        _init_problem(call(rank=0), env)                     # LOCAL_RANK handed to init
+    assert "init_process_group(world_size=2)" in _init_problem(call(world_size=2), env)
+    assert "a store of its own" in _init_problem(call(store="FileStore"), env)
+    moved = call()
+    moved["env"]["MASTER_PORT"] = "29500"
+    assert "MASTER_PORT was 41311 from torchrun and 29500" in _init_problem(moved, env)
+
+
+def test_a_stub_is_not_done_without_launching(monkeypatch):
+    from labkit.torchrun.check import lines
+    monkeypatch.setattr(lines, "_launch", lambda *a: pytest.fail("launched a stub"))
+
+    def torchrun_main(body, *args):
+        raise NotImplementedError("torchrun_main: write your code here")
+    with pytest.raises(NotImplementedError):
+        lines.check_torchrun_lines(torchrun_main)

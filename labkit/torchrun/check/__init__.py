@@ -1,4 +1,5 @@
-"""The checker of notebook 05's exercise, its oracle, and the lesson's quiz key.
+"""The checker of notebook 05's exercise, its oracle, and the lesson's quiz key (the core
+build's checker, ``05.torchrun_lines``, is :mod:`labkit.torchrun.check.lines`).
 
 The exercise: turn a single-process training function into the ``main()`` of a torchrun DDP
 script. :func:`check_torchrun_exercise` (the bank's checker) launches the learner's
