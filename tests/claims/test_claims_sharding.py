@@ -79,7 +79,7 @@ def _counted_kinds(rank, world_size):
 
 def test_the_counter_sees_every_kind_of_collective_whoever_issues_it():
     """06 "§3": “a PyTorch dispatch mode that sees every `torch.distributed` operation a rank's
-    threads issue through the dispatcher, with its payload”: the ring's sends, DDP's,
+    threads issue, with its payload”: the ring's sends, DDP's,
     `ZeroRedundancyOptimizer`'s and FSDP2's collectives."""
     seen = _run(_counted_kinds)[0]
     assert seen == {"DDP backward": ["all_reduce"], "ZeroRedundancyOptimizer.step": ["broadcast"],
@@ -168,7 +168,12 @@ def _placements(rank, world_size):
         out["full_tensor"][name] = (c.kinds(), full.tolist())
     with CommCounter() as c:
         mine = p.redistribute(mesh, [Shard(0)]).to_local()
-    out["partial_to_shard"] = (c.kinds(), tuple(mine.shape), float(mine.sum()))
+    out["partial_to_shard"] = (c.kinds(), tuple(mine.shape), mine.tolist())
+    try:
+        distribute_tensor(w, mesh, [Shard(0)]).redistribute(mesh, [Partial()])
+        out["to_partial"] = None
+    except Exception as e:                 # noqa: BLE001 - the message is what is checked
+        out["to_partial"] = str(e)
     out["partial_repr"] = repr(Partial())
     return out
 
@@ -180,7 +185,10 @@ def test_dtensor_placements_chunk_sum_and_communicate_as_the_lab_says(world_size
     of the full shape and the value is their sum (the default reduction, shown as
     `Partial(sum)`)”. Also 06 "§7": “`t.to_local()` returns it, with no communication”. Also 06
     "§7": “it redistributes to `Replicate()`, an all-gather from `Shard` and an all-reduce from
-    `Partial`”. Also 06 "§7": “from `Partial()` to `Shard(d)` by a reduce-scatter”."""
+    `Partial`”. Also 06 "§7": “from `Partial()` to `Shard(d)` by a reduce-scatter”. Also 06 "§7":
+    “moves to any `Shard` or `Replicate` placement (not to
+`Partial`: "redistributing to Partial is for internal use only")”. Also 06 "§7": “leaves each
+    rank one row of the *sum*”."""
     values = _run(_placements, world_size)
     n = world_size
     for rows in (4, 5):
@@ -196,6 +204,9 @@ def test_dtensor_placements_chunk_sum_and_communicate_as_the_lab_says(world_size
         assert v["full_tensor"]["Replicate"][0] == []
         assert v["full_tensor"]["Partial"] == (["all_reduce"], [[float(total)] * 3] * 2)
         assert v["partial_to_shard"][0] == ["reduce_scatter"]
+        assert "redistributing to Partial is for internal use only" in v["to_partial"]
+    if n == 2:                                             # rank r: row r of the sum, 1 + 2
+        assert [v["partial_to_shard"][1:] for v in values] == [((1, 3), [[3.0] * 3])] * 2
         assert v["partial_repr"] == "Partial(sum)"
 
 

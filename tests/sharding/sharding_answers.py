@@ -53,11 +53,11 @@ class ShardedOptimizer:
         for i, p in enumerate(self.params):
             if p.grad is None:
                 raise RuntimeError(f"trainable parameter {i} {tuple(p.shape)} has no .grad")
-        mine = torch.empty(self.k)
+        mine = self.slice.new_empty(self.k)
         dist.reduce_scatter_single(mine, self._flat([p.grad for p in self.params]))
         self.slice.grad = mine / self.world_size if self.average else mine
         self.optimizer.step()
-        full = torch.empty(self.k * self.world_size)
+        full = mine.new_empty(self.k * self.world_size)
         dist.all_gather_single(full, self.slice.detach())
         self._copy_back(full)
 
