@@ -7,7 +7,8 @@ scaling, the usual way DDP jobs grow)::
                                                                      FLOPs per parameter and token)
     backward = 2/3 of compute
     allreduce = buckets · 2(N-1)·α + 2(N-1)/N · S / B               (a ring per DDP bucket:
-                S = grad_bytes_per_param · params, buckets = ⌈S / bucket⌉, each paying the
+                S = grad_bytes_per_param · params, buckets = 1 + ⌈(S − 1 MiB) / bucket⌉ (DDP's first
+                bucket is 1 MiB), each paying the
                 ring's 2(N-1) latency steps; labkit.collectives.bandwidth)
     exposed  = allreduce - overlap · backward, at least 0           (overlap in 0..1)
     step     = compute + exposed;   efficiency = compute / step
@@ -47,11 +48,17 @@ def cluster_prediction(params: float, tokens_per_gpu: int, gpus: Iterable[int] =
 
     ``overlap``: 1.0 = the all-reduce hides behind backward as far as backward lasts (the
     best case DDP aims for), 0.0 = no overlap at all. ``bucket_mib``: DDP's bucket size
-    (25 MiB by default); every bucket is its own ring all-reduce and pays the ring's latency.
+    (25 MiB by default, after a first bucket of 1 MiB); every bucket is its own ring all-reduce
+    and pays the ring's latency.
     """
     compute = 6 * params * tokens_per_gpu / (peak_flops * mfu)
     grad_bytes = grad_bytes_per_param * params
-    buckets = math.ceil(grad_bytes / (bucket_mib * 2 ** 20))
+    # torch 2.13's DDP rebuilds its buckets after the first step with a first bucket of
+    # dist._DEFAULT_FIRST_BUCKET_BYTES (1 MiB) when bucket_cap_mb is left at its default,
+    # of bucket_cap_mb otherwise (BucketCapacityConfig in torch/nn/parallel/distributed.py)
+    cap = bucket_mib * 2 ** 20
+    first = 2 ** 20 if bucket_mib == 25.0 else cap
+    buckets = 1 + math.ceil(max(0.0, grad_bytes - first) / cap)
     out = []
     for n in gpus:
         if n == 1:

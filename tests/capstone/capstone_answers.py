@@ -36,9 +36,17 @@ def all_reduce_sums(window_losses, real, device):
     return both[0].item(), int(both[1].item())
 
 
+def _rng(device):
+    """This rank's generators: the CPU's and, on a GPU, the CUDA one's (dropout draws there)."""
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
 def save_checkpoint(path, model, optimizer, device):
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{_rank()}": torch.get_rng_state()}}
+    state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{_rank()}": _rng(device)}}
     dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
@@ -47,12 +55,14 @@ def load_checkpoint(path, model, optimizer, device, restore_rng=True):
     state = {"model": model_sd, "optim": optim_sd}
     key = f"rank{_rank()}"
     if restore_rng:
-        state["rng"] = {key: torch.get_rng_state()}
+        state["rng"] = {key: _rng(device)}
     dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     if restore_rng:
-        torch.set_rng_state(state["rng"][key])
+        torch.set_rng_state(state["rng"][key]["cpu"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"][key]["cuda"], device)
 
 
 def solution():

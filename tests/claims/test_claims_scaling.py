@@ -72,8 +72,8 @@ def test_fp16_and_powersgd_run_on_gloo_and_send_what_the_formulas_say():
 
 
 def test_autocast_keeps_fp32_master_weights_and_gradients():
-    """07 "9 · Mixed precision": “the parameters stay float32 (the **master weights**), and so
-    do their gradients and the optimizer.” and “autocast does not touch what DDP sends — the
+    """07 "9 · Mixed precision": “the parameters stay float32, and so do their gradients and the
+    optimizer.” and “autocast does not touch what DDP sends — the
     gradients are fp32 like the master weights —”"""
     prec = precision.compare_precision(steps=3, rounds=3, width=32, progress=False)
     rows = {r["mode"]: r for r in prec["rows"]}
@@ -81,6 +81,16 @@ def test_autocast_keeps_fp32_master_weights_and_gradients():
         assert rows[mode]["param_dtype"] == rows[mode]["grad_dtype"] == "torch.float32"
         assert rows[mode]["allreduce_bytes"] == rows["fp32"]["allreduce_bytes"] > 0
         assert rows[mode]["allreduce_bytes"] == rows[mode]["grad_bytes"]
+
+
+def test_grad_scaler_is_dynamic_by_default():
+    """07 "9 · Mixed precision": “The scale is dynamic: each overflow halves it, and after
+    `growth_interval` = 2000 steps without one it doubles (`torch.amp.GradScaler`'s defaults).”"""
+    import torch
+
+    scaler = torch.amp.GradScaler("cpu")
+    assert scaler.get_backoff_factor() == 0.5 and scaler.get_growth_factor() == 2.0
+    assert scaler.get_growth_interval() == 2000
 
 
 def test_find_unused_parameters_adds_one_all_reduce_and_the_bucket_view_drops_a_copy():
@@ -129,7 +139,7 @@ def _modes_see_every_op(rank, world_size):
 
 def test_a_dispatch_mode_sees_every_torch_op():
     """07 "2 · See every collective: `lk.run(..., trace=True)`": “while it is on, *every* torch
-    operation of the rank passes through Python, so compute gets slower.”"""
+    operation of the rank passes through Python, so expect compute to get slower.”"""
     assert lk.run(_modes_see_every_op, 1, echo=False).values[0] == ["aten"]
 
 

@@ -107,7 +107,8 @@ def test_cluster_prediction_is_monotone_in_what_it_models():
     assert rows[0]["efficiency"] == 1.0 and rows[0]["allreduce_s"] == 0.0
     assert rows[2]["allreduce_s"] > rows[1]["allreduce_s"] > 0          # more GPUs, more steps
     assert rows[1]["efficiency"] == 1.0 > rows[2]["efficiency"]         # the ring's latency
-    assert rows[1]["buckets"] == 19                                     # 496 MB in 25 MiB
+    assert rows[1]["buckets"] == 20              # 496 MB: DDP's first bucket of 1 MiB, then 25 MiB each
+    assert cluster_prediction(124e6, 8192, gpus=(8,), bucket_mib=1024)[0]["buckets"] == 1
     one = cluster_prediction(124e6, 8192, gpus=(64,), bucket_mib=1024)[0]
     assert one["efficiency"] == 1.0           # one bucket: 8 NICs per node move it in time
     small = cluster_prediction(124e6, 1024, gpus=(8,))[0]

@@ -52,7 +52,7 @@ from .probes import read_evals, read_guarded, read_loads
 
 __all__ = ["ITEMS", "NEEDS", "grade", "grade_evaluation", "check_trains", "check_resumes",
            "check_evaluates", "check_reshards", "pieces_of", "last_resume_step",
-           "steps_done_twice", "throughput_ratio"]
+           "steps_done_twice", "throughput_ratio", "scaling_efficiency"]
 
 ITEMS = {"a": "(a) trains under torchrun on 2 ranks",
          "b": "(b) resumes bit-identically after a SIGKILL",
@@ -293,7 +293,8 @@ def _after_load(loads: list[dict], saved: dict | None, rng: bool) -> str:
             if not torch.equal(r["rng"], saved["rng"][r["rank"]]):
                 wrong.append(f"rank {r['rank']}'s RNG state is not the one at the save (its "
                              f"dropout masks will differ): save each rank's "
-                             f"torch.get_rng_state() and restore it when restore_rng is True")
+                             f"torch.get_rng_state() (and, on a GPU, torch.cuda.get_rng_state(device)) "
+                             f"and restore it when restore_rng is True")
                 break
     return "; ".join(wrong)
 
@@ -569,3 +570,9 @@ def throughput_ratio(run, resharded) -> float:
     from ..runs import throughput
 
     return throughput(_run_of(run)).median / throughput(_run_of(resharded)).median
+
+
+def scaling_efficiency(run, resharded) -> float:
+    """Quiz key (08.speedup): notebook 07's scaling efficiency of 2 ranks, the median tokens/s
+    of ``run`` (2 ranks) / of ``resharded`` (1 rank), divided by 2."""
+    return throughput_ratio(run, resharded) / 2

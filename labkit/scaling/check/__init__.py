@@ -51,7 +51,8 @@ from typing import Callable
 from ...grading.exercise import Case, NotDone
 from ...runtime import run
 
-__all__ = ["check_compress_hook", "hook_job", "probe_job", "weak_speedup_2", "strong_efficiency_4",
+__all__ = ["check_compress_hook", "hook_job", "probe_job", "weak_speedup_2", "strong_efficiency_4", "weak_comm_share_2",
+           "strong_efficiency_4_from_weak",
            "fp16_bytes_per_step", "view_bytes_saved", "unused_allreduces",
            "FP16_EPS"]
 
@@ -367,6 +368,20 @@ def weak_speedup_2(scaling: dict) -> float:
 def strong_efficiency_4(scaling: dict) -> float:
     """07.strong_efficiency_4: the measured median strong-scaling efficiency on 4 ranks."""
     return _row(scaling, mode="strong", ranks=4)["efficiency"]["median"]
+
+
+def weak_comm_share_2(scaling: dict) -> float:
+    """07.weak_speedup_2: the share of the 2-rank 'alone' throughput weak scaling lost,
+    1 - samples/s(weak, 2) / samples/s(alone, 2), from the medians."""
+    weak = _row(scaling, mode="weak", ranks=2)["samples_per_s"]["median"]
+    return 1 - weak / _row(scaling, mode="alone", ranks=2)["samples_per_s"]["median"]
+
+
+def strong_efficiency_4_from_weak(scaling: dict) -> float:
+    """07.strong_efficiency_4: the strong-scaling efficiency on 4 ranks that the weak row
+    predicts (the same per-rank job at 4 ranks): samples/s(weak, 4) / samples/s(strong, 1) / 4."""
+    weak4 = _row(scaling, mode="weak", ranks=4)["samples_per_s"]["median"]
+    return weak4 / _row(scaling, mode="strong", ranks=1)["samples_per_s"]["median"] / 4
 
 
 def fp16_bytes_per_step(hooks: dict) -> float:
