@@ -61,8 +61,9 @@ def _ddp_storage_bytes(rank, world_size, gradient_as_bucket_view):
 
 
 def test_torch_ddp_holds_a_bucket_copy_of_every_gradient():
-    """01 "4 · Memory per rank": “torch DDP with its default `gradient_as_bucket_view=False`
-    also keeps a bucket copy of every gradient: 20 bytes per parameter with Adam in fp32”."""
+    """01 "4 · Memory per rank": “keeps one more copy of the gradients, the flat buffers it
+    all-reduces them in: 20 bytes per parameter with Adam in fp32”; "5 · Measure it": “makes the
+    gradients views into the buckets and saves that copy: 16 bytes per parameter again”."""
     default, views = (lk.run(_ddp_storage_bytes, 2, args=(flag,), timeout=30, echo=False).values
                       for flag in (False, True))
     for rank in default:

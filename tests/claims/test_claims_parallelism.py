@@ -43,8 +43,8 @@ def _tensor_parallel_forward(rank, world_size, blocks):
 
 
 def test_tensor_parallel_ranks_work_on_every_layer_and_all_reduce_inside_it():
-    """01 "2 · The concept": “Tensor-parallel ranks work on every layer, each on its slice of every
-    matrix, and all-reduce the activations inside every layer”."""
+    """01 "2 · The concept": “its ranks work on every layer, each on its slice of every matrix,
+    and all-reduce the activations inside every layer”."""
     for counts, shards in lk.run(_tensor_parallel_forward, 2, args=(3,), timeout=30,
                                     echo=False).values:
         assert {k.split(".")[-1]: v for k, v in counts.items()} == {"all_reduce": 3}

@@ -168,10 +168,10 @@ def test_gradients_averaged_once_instead_of_every_step_are_not_enough():
 # * the lab's own code doing the work: ``calls_the_lab`` (lk.torchrun.torchrun_main, a
 #   labkit.grading.references reference);
 # * a side channel: ``joins_through_a_file`` (init_method="file://..."), and
-#   ``fakes_the_group_through_the_store`` / ``fakes_the_group_through_a_file``: no process
-#   group at all, a stand-in for torch.distributed whose all_gather_object moves the data
-#   through the TCPStore at MASTER_PORT or through files (gloo's flight recorder sees no
-#   all-gather);
+#   ``fakes_the_group_through_the_store``: no process group at all, a stand-in for
+#   torch.distributed whose all_gather_object moves the data through the TCPStore at
+#   MASTER_PORT (gloo's flight recorder sees no all-gather; a stand-in moving it through files
+#   is the same case and is judged the same way);
 # * hidden state: n.a.: every worker of every attempt is a fresh process, judged on what it ran;
 #   a copied oracle: n.a.: the secrets gathered are drawn in each worker after it joined;
 #   a computation not split: n.a.: the build splits nothing.
@@ -336,28 +336,6 @@ def fakes_the_group_through_the_store(body, *args):
     return body(rank, world, *args)
 
 
-def fakes_the_group_through_a_file(body, *args):
-    import os
-    import pickle
-    import time
-    from pathlib import Path
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    folder = Path(f"/tmp/labkit-side-{os.environ['TORCHELASTIC_RUN_ID']}-"
-                  f"{os.environ['MASTER_PORT']}")
-    folder.mkdir(exist_ok=True)
-
-    def gather(obj):
-        (folder / f"{rank}.tmp").write_bytes(pickle.dumps(obj))
-        os.replace(folder / f"{rank}.tmp", folder / str(rank))
-        while not all((folder / str(r)).exists() for r in range(world)):
-            time.sleep(0.01)
-        return [pickle.loads((folder / str(r)).read_bytes()) for r in range(world)]
-
-    _stand_in(gather)
-    return body(rank, world, *args)
-
-
 def _lines_cases(answer):
     import glob
     import shutil
@@ -402,8 +380,6 @@ def test_a_wrong_line_fails_the_case_that_names_it(answer, failing, words):
     (joins_through_a_file, "init_method='file:///tmp/labkit-side-"),
     (fakes_the_group_through_the_store, "gloo ran no all-gather and torch has no process "
                                         "group: the data went through a side channel"),
-    (fakes_the_group_through_a_file, "gloo ran no all-gather and torch has no process "
-                                     "group: the data went through a side channel"),
 ])
 def test_a_group_not_joined_from_torchruns_environment_fails_by_name(answer, words):
     """No group, or one met elsewhere: the join case names it, and what the workers pass idly
