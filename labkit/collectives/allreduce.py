@@ -135,14 +135,23 @@ def send_right_recv_left(send, like):
     out = send if send.is_contiguous() else send.contiguous()
     ops = [(f, t, peer) for f, t, peer in ((dist.irecv, incoming, (rank - 1) % n),
                                             (dist.isend, out, (rank + 1) % n)) if t.numel()]
-    if ops:
-        if out.is_cuda:                                   # NCCL: the pair as one batch
-            works = dist.batch_isend_irecv([dist.P2POp(f, t, peer) for f, t, peer in ops])
-        else:
-            works = [f(t, peer) for f, t, peer in ops]
-        for w in works:
-            w.wait()
+    _post_and_wait(ops, out.is_cuda)
     return incoming
+
+
+def _post_and_wait(ops: list, cuda: bool) -> None:
+    """Post ``ops`` (``(dist.irecv or dist.isend, tensor, peer)``, the receive first) and wait
+    for them all. On NCCL (``cuda``) they go in one ``batch_isend_irecv`` group: two ranks that
+    each queue a lone send first can wait for each other forever."""
+    import torch.distributed as dist
+    if not ops:
+        return
+    if cuda:
+        works = dist.batch_isend_irecv([dist.P2POp(f, t, peer) for f, t, peer in ops])
+    else:
+        works = [f(t, peer) for f, t, peer in ops]
+    for w in works:
+        w.wait()
 
 
 def _exchange(out, right: int, target, left: int, buf, trace, step: int, send_c: int,
@@ -153,8 +162,7 @@ def _exchange(out, right: int, target, left: int, buf, trace, step: int, send_c:
 
     The receive is posted before the send: gloo moves no data until the receiver has posted its
     receive (the sender waits for its "ready to receive" notice), so posting it first lets the
-    transfer start sooner. On NCCL the pair goes in one ``batch_isend_irecv`` group:
-    two ranks that each queue a lone send first can wait for each other forever.
+    transfer start sooner; :func:`_post_and_wait` posts the pair (one NCCL group on GPUs).
     """
     import torch.distributed as dist
     add = buf is not None
@@ -163,12 +171,7 @@ def _exchange(out, right: int, target, left: int, buf, trace, step: int, send_c:
     if not ops:                                       # empty chunks (tensor shorter than N)
         return
     t0 = now()
-    if out.is_cuda:                                   # NCCL: the pair as one batch
-        works = dist.batch_isend_irecv([dist.P2POp(f, t, peer) for f, t, peer in ops])
-    else:
-        works = [f(t, peer) for f, t, peer in ops]
-    for w in works:
-        w.wait()
+    _post_and_wait(ops, out.is_cuda)
     if add and target.numel():
         target.add_(incoming)
     if trace is not None:

