@@ -45,6 +45,8 @@ _PR_SET_PDEATHSIG = 1
 _REAP_S = 5.0            # how long a SIGKILLed process may take to go, on a loaded machine
 _SWEEPS = 5              # a dying parent may still start a child: the sweep repeats
 _EXEC_S = 0.5            # how long a process seen mid-exec (no environment yet) is read again
+_FRESH_S = 10.0          # only a process younger than this can be mid-exec: older ones with no
+                         # environment keep it empty (Chromium's zygotes: a learner's browser)
 
 _lock = threading.Lock()
 _trees: dict[str, "Tree"] = {}   # the trees not stopped yet, in the order they were made
@@ -180,7 +182,11 @@ def marked(tokens: str | Iterable[str]) -> list[psutil.Process]:
 
     A process in the middle of ``execve`` shows an empty environment for a moment (its parent's
     ``Popen`` has already returned: the exec passed its point of no return), longer on a loaded
-    machine; such a process is read again for up to :data:`_EXEC_S` rather than missed."""
+    machine; such a process is read again for up to :data:`_EXEC_S` rather than missed. Only one
+    created in the last :data:`_FRESH_S` seconds can be mid-exec (the exec follows its fork at
+    once): an older process with no environment keeps it empty and is not waited for. Chromium's
+    zygotes are such processes; waiting for them cost every call half a second while a browser
+    ran on the machine (the learner's own, serving JupyterLab)."""
     wanted = [tokens] if isinstance(tokens, str) else list(tokens)
     if not wanted:
         return []
@@ -197,7 +203,7 @@ def marked(tokens: str | Iterable[str]) -> list[psutil.Process]:
         if env:
             if ours(env):
                 out.append(p)
-        elif _userland(p):
+        elif _userland(p) and _fresh(p):
             pending.append(p)
     end = time.monotonic() + _EXEC_S
     while pending and time.monotonic() < end:
@@ -222,6 +228,14 @@ def _environ(p: psutil.Process) -> dict | None:
         return p.environ()
     except (psutil.Error, OSError):
         return None
+
+
+def _fresh(p: psutil.Process) -> bool:
+    """Created in the last :data:`_FRESH_S` seconds (so it may still be in its exec)."""
+    try:
+        return time.time() - p.create_time() < _FRESH_S
+    except psutil.Error:
+        return False
 
 
 def _userland(p: psutil.Process) -> bool:
