@@ -1,8 +1,8 @@
 """The Gradescope autograder, for real: the zip built by the command, unpacked into a folder
 laid out as Gradescope lays out ``/autograder``, ``setup.sh``'s install step run against this
-environment, and ``run_autograder`` run on submissions of a quiz-only lesson (00) and of a
-lesson with a multi-process exercise (01): solved, untouched, partly answered, hostile, garbage,
-none and several. Every ``results.json`` is checked against Gradescope's schema, the scores
+environment, and ``run_autograder`` run on submissions of a quiz-only lesson (00: solved,
+untouched, partly answered, hostile, garbage, none and several) and of a lesson with a
+multi-process exercise (01: solved and untouched; the rest grades the same way). Every ``results.json`` is checked against Gradescope's schema, the scores
 exactly, the key never shown, and no process left behind.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from labkit.grading.bank import all_banks, bank_dir, load_bank
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSONS = ("00_setup", "01_data_vs_model_parallelism")
+QUIZ_ONLY = LESSONS[0]   # partial, hostile and ungradable submissions: graded for this lesson only
 CELL_TIMEOUT = 10   # the hostile submission's endless loop costs this much
 
 # https://gradescope-autograders.readthedocs.io/en/latest/specs/ (the fields we may write)
@@ -147,14 +148,16 @@ def graded(request, tmp_path_factory):
     runs["student"] = ag.grade({f"{lesson}.ipynb": student})
 
     changes, lost = partial_changes(ag.bank)
+    if lesson != QUIZ_ONLY:           # what follows grades the quiz: one lesson is enough
+        return ag, runs, changes, lost
     nb = solved(lesson)
     nb.cells.append(nbformat.v4.new_code_cell("\n".join(
         f"{ag.bank.questions[qid].variable} = {value!r}" for qid, value in changes.items())))
     runs["partial"] = ag.grade({f"{lesson}.ipynb": nbformat.writes(nb).encode()})
 
     nb = solved(lesson)
-    nb.cells[1:1] = [nbformat.v4.new_code_cell(HOSTILE)] + (   # one lesson is enough for this
-        [nbformat.v4.new_code_cell("while True:\n    pass")] if lesson == LESSONS[0] else [])
+    nb.cells[1:1] = [nbformat.v4.new_code_cell(HOSTILE),
+                     nbformat.v4.new_code_cell("while True:\n    pass")]
     runs["hostile"] = ag.grade({"my work/attempt.ipynb": nbformat.writes(nb).encode()})
     runs["hostile_ran"] = (ag.root / "results" / "hostile-ran").exists()
     time.sleep(0.5)
@@ -209,6 +212,7 @@ def test_untouched_student_notebook_scores_zero_for_the_right_reason(graded):
                                             or "not done" in t["output"]), t
 
 
+@pytest.mark.parametrize("graded", [QUIZ_ONLY], indirect=True)
 def test_partly_answered_scores_exactly_and_never_shows_the_key(graded):
     ag, runs, changes, lost = graded
     results, _ = runs["partial"]
@@ -226,16 +230,17 @@ def test_partly_answered_scores_exactly_and_never_shows_the_key(graded):
                                  t["output"]), t["output"]
 
 
+@pytest.mark.parametrize("graded", [QUIZ_ONLY], indirect=True)
 def test_hostile_submission_cannot_write_its_own_grade_and_leaves_nothing(graded):
     ag, runs, *_ = graded
     results, _ = runs["hostile"]
     assert runs["hostile_ran"]    # the forging cell did run, and wrote its results.json
     assert results["score"] == pytest.approx(ag.bank.max_points)   # answers graded all the same
-    if ag.lesson == LESSONS[0]:   # the cells that did not finish are named to the student
-        assert "cell 3 (while True:): timeout" in results["output"], results["output"]
+    assert "cell 3 (while True:): timeout" in results["output"], results["output"]  # named
     assert runs["hostile_after"] == results    # the forger was stopped before the results
 
 
+@pytest.mark.parametrize("graded", [QUIZ_ONLY], indirect=True)
 @pytest.mark.parametrize("kind, says", [
     ("garbage", "not a notebook: the file is binary"),
     ("truncated", "the notebook is truncated"),
