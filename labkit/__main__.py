@@ -34,6 +34,8 @@ BENCHMARKS = {
     "sharding": ("labkit.sharding.bench", "memory per rank and step time: DDP, ZeRO-1/2/3, FSDP2"),
     "scaling": ("labkit.scaling.bench", "scaling table, every collective's cost, comm hooks"),
     "grading": ("labkit.grading.bench", "grading time and peak memory per lesson (Gradescope)"),
+    "sequences": ("labkit.sequences_experts.bench",
+                  "sequence parallelism, ring attention vs Ulysses, all-to-all and MoE steps"),
 }
 
 

@@ -54,6 +54,8 @@ LESSONS = (
     Lesson("06_sharding", "sharding", {"sharding": "sharding"}),
     Lesson("07_scaling", "scaling", {"scaling": "scaling"}),
     Lesson("08_capstone", "capstone", {"capstone": "capstone"}),
+    Lesson("09_sequences_and_experts", "sequences_experts",
+           {"sequences_experts": "sequences_experts"}),
 )
 
 # The package's layers, lowest first: this module, the engine, then the lessons in order.
