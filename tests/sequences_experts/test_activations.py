@@ -99,7 +99,7 @@ def test_saved_tensors_counts_a_storage_once_and_leaves_parameters_out():
     lin = torch.nn.Linear(8, 8)
     x = torch.randn(3, 4, 8, requires_grad=True)
     with A.SavedTensors(exclude=lin.parameters()) as saved:
-        y = lin(x)
+        lin(x)
         torch.sin(x.view(12, 8))                                   # keeps a view of x
     assert saved.packed >= 3 and saved.total == x.numel() * 4       # x once, no weight
 
