@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..grading.references import reference
+from .experts import all_to_all
 
 __all__ = ["attention_lse", "merge_partials", "LAYOUTS", "FRAMING", "rank_chunks", "shard_sequence",
            "unshard_sequence", "pair_kind", "ring_work", "ring_attention", "ulysses_attention",
@@ -341,26 +342,6 @@ def ring_bytes(heads: int, seq: int, head_dim: int, world_size: int, backward: b
 
 
 # ------------------------------------------------------------------ Ulysses
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` on dim 0 (piece i to rank i); its backward is the same exchange
-    of the gradients (piece i came from rank i, so its gradient goes back there)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)                   # contiguous too: all_to_all fills it in order
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()                    # (empty_like would copy a view's strides)
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
 @reference
 def ulysses_attention(q, k, v, causal: bool = False, group=None):
     """This rank's block of attention output, by DeepSpeed-Ulysses (inside a rank).
@@ -382,11 +363,12 @@ def ulysses_attention(q, k, v, causal: bool = False, group=None):
     # q, k and v in one all-to-all: one exchange of three blocks instead of three of one (fewer
     # messages: each all-to-all costs N - 1 of them, framing included)
     qkv = torch.stack([q.float(), k.float(), v.float()]).reshape(3, n, h, block, dim)
-    y = _AllToAll.apply(qkv.transpose(0, 1).contiguous(), group)   # y[i]: rank i's q, k, v block
+    ones = [1] * n                                  # piece i (of dim 0) to rank i, and back
+    y = all_to_all(qkv.transpose(0, 1), ones, ones, group)   # y[i]: rank i's q, k, v block
     qh, kh, vh = y.permute(1, 2, 0, 3, 4).reshape(3, h, n * block, dim)   # my heads, all of S
     out, _ = attention_lse(qh, kh, vh, causal=causal)
     back = out.reshape(h, n, block, dim).transpose(0, 1)                  # piece i: block i
-    return _AllToAll.apply(back.contiguous(), group).reshape(heads, block, dim)
+    return all_to_all(back, ones, ones, group).reshape(heads, block, dim)
 
 
 def ulysses_bytes(heads: int, seq: int, head_dim: int, world_size: int, backward: bool = False,

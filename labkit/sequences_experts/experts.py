@@ -234,26 +234,29 @@ def owner(expert: int, experts_per_rank: int) -> int:
 
 class AllToAll(torch.autograd.Function):
     """``dist.all_to_all_single`` with a backward: the gradient goes back with the splits
-    swapped (``dist.all_to_all_single`` itself records nothing for autograd)."""
+    swapped (``dist.all_to_all_single`` itself records nothing for autograd). Expert
+    parallelism's dispatch and combine use it, and Ulysses (§7) with equal splits."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits):
-        ctx.splits = (list(out_splits), list(in_splits))
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits))
+        dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits),
+                               group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits)
-        return back, None, None
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int]):
+def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+               group=None):
     """Rows ``x`` split ``in_splits`` (to each rank) → rows split ``out_splits`` (from each)."""
-    return AllToAll.apply(x, list(out_splits), list(in_splits))
+    return AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
 @reference
