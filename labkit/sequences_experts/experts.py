@@ -1,4 +1,4 @@
-"""Notebook 09 §8–§11 — a mixture-of-experts layer on one process, then with its experts
+"""Notebook 09 §10–§13 — a mixture-of-experts layer on one process, then with its experts
 spread over ranks (expert parallelism: all-to-all dispatch and combine).
 
 The layer (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021):
@@ -37,7 +37,9 @@ GShard's "group"), then
 Backward runs the two token exchanges in reverse (:class:`AllToAll`, an autograd function).
 Rank r's output equals the one-process :class:`MoE` on rank r's tokens; every expert's gradient
 (on its owner) equals the one-process gradient of the sum of every rank's loss; the router's
-gradient on rank r is that of rank r's loss (summed over ranks by DDP's all-reduce in training).
+gradient on rank r is that of rank r's loss (averaged over the ranks in training, like any
+replicated weight's; the experts' gradients, which already sum every rank's tokens, stay out of
+that average).
 
 Bytes (:func:`a2a_bytes`, checked against the kernel's TCP counters of gloo's sockets,
 :mod:`labkit.grading.watch`): per token exchange a rank sends the rows that leave it,

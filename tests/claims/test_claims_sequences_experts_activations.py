@@ -181,8 +181,8 @@ def _wire(rank, world_size):
 @pytest.mark.parametrize("n", [2, 4])
 def test_gloo_sends_a_whole_all_reduce_for_a_reduce_scatter_and_the_ring_144_per_message(n):
     """09 "§3": “on gloo, torch 2.13 runs `reduce_scatter_single` as an all-reduce of the whole
-    tensor, so torch's own reduce-scatter would send more here”. Also 09 "§3": “Each ring message
-    carries gloo's 144 bytes of framing on top of its payload.”"""
+    tensor, so torch's own reduce-scatter would send more here”. Also 09 "§3": “every message
+    costs 144 bytes of framing on the sockets besides its payload”."""
     for S, seen in lk.run(_wire, n, timeout=60, echo=False).values:
         assert seen["reduce_scatter_single"]["collectives"] == ["gloo:all_reduce"]
         assert seen["reduce_scatter_single"]["sent"] == seen["all_reduce"]["sent"]

@@ -115,8 +115,8 @@ def test_the_cpu_kernel_has_a_decomposition_dtensor_can_trace():
 @pytest.mark.skipif(os.environ.get("LABKIT_SLOW_CLAIMS") != "1",
                     reason="about 70 s of CPU: set LABKIT_SLOW_CLAIMS=1 to run it")
 def test_context_parallel_not_causal_on_cpu_returns_the_right_rows():
-    """09 "PyTorch's own context_parallel": “and returns the right rows, in the load-balanced
-    order”."""
+    """09 "PyTorch's own context_parallel": “checks that the rows come back right and in the
+    load-balanced order”."""
     got = lk.run(_cp_job, 2, args=(False,), backend="gloo", timeout=500, deadline=560,
                  echo=False).values
     for r in got:

@@ -138,10 +138,23 @@ print(fake)
 '''
 
 
+@pytest.fixture(scope="module")
+def autograders(tmp_path_factory):
+    """One unpacked, set-up autograder per lesson for the whole module (building one is a zip,
+    an unpack and ``setup.sh``: half a minute here); a test that changes it restores it."""
+    made: dict[str, Autograder] = {}
+
+    def get(lesson: str) -> Autograder:
+        if lesson not in made:
+            made[lesson] = Autograder(lesson, tmp_path_factory.mktemp(lesson))
+        return made[lesson]
+    return get
+
+
 @pytest.fixture(scope="module", params=LESSONS)
-def graded(request, tmp_path_factory):
+def graded(request, autograders):
     lesson = request.param
-    ag = Autograder(lesson, tmp_path_factory.mktemp(lesson))
+    ag = autograders(lesson)
     runs = {}
     runs["solved"] = ag.grade({f"{lesson}.ipynb": nbformat.writes(solved(lesson)).encode()})
     student = (ROOT / "notebooks" / f"{lesson}.ipynb").read_bytes()
@@ -256,8 +269,8 @@ def test_ungradable_submission_scores_zero_and_says_why(graded, kind, says):
 
 # ------------------------------------------------------------------ failures of the grader
 @pytest.fixture(scope="module")
-def quiz_autograder(tmp_path_factory):
-    return Autograder("00_setup", tmp_path_factory.mktemp("failures"))
+def quiz_autograder(autograders):
+    return autograders(QUIZ_ONLY)
 
 
 def edit_config(ag: Autograder, **changes) -> dict:
