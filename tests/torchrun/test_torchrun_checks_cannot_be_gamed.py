@@ -187,7 +187,7 @@ JOINS, RANK_CASE, WORLD_CASE, FROM_ENV, SURVIVES, DESTROYS, OWN = LINES_ALL
 
 
 def lines_answer(body, *args):
-    """The reference answer."""
+    """The right lines (the notebook's): each wrong answer below differs from them in one place."""
     import os
 
     import torch.distributed as dist
@@ -351,9 +351,10 @@ def _lines_cases(answer):
     return {c.name: c for c in cases}
 
 
-def test_the_reference_lines_pass_every_case():
-    cases = _lines_cases(lines_answer)
-    assert all(c.passed for c in cases.values()), {n: c.detail for n, c in cases.items()}
+# The right lines' full marks are not checked again here (two torchrun launches, 20 s):
+# solutions/05_torchrun.ipynb grades its torchrun_main with this checker in every test run, and
+# the lab's pytest plugin (LABKIT_EXPECT_SOLVED) fails that cell unless every case passes; each
+# answer below differs from those lines in one place and fails only the case that names it.
 
 
 NOT_JOINED = "not counted: the workers did not all join one group"
