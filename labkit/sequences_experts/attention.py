@@ -153,13 +153,23 @@ def pair_kind(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
     return "diagonal" if k_chunk == q_chunk else None
 
 
+def _pairs(rank: int, j: int, n: int, layout: str, causal: bool):
+    """The chunk pairs ``rank`` computes while it holds rank ``j``'s K/V block: ``(a, b,
+    diagonal)`` for its query chunk a and the block's key chunk b (0 or 1 each), skipping the
+    pairs a causal mask leaves empty."""
+    for a, qc in enumerate(rank_chunks(rank, n, layout)):
+        for b, kc in enumerate(rank_chunks(j, n, layout)):
+            kind = pair_kind(qc, kc, causal)
+            if kind is not None:
+                yield a, b, kind == "diagonal"
+
+
 def ring_work(world_size: int, layout: str = "contiguous", causal: bool = True) -> list[int]:
     """Chunk pairs each rank's ring computes (a diagonal pair counts as one): the work per rank,
     from the schedule alone. Contiguous causal: 4r + 3 on rank r; balanced: 2N + 1 on every
     rank; not causal: 4N everywhere."""
     n = world_size
-    return [sum(pair_kind(a, b, causal) is not None for a in rank_chunks(r, n, layout)
-                for j in range(n) for b in rank_chunks(j, n, layout)) for r in range(n)]
+    return [sum(1 for j in range(n) for _ in _pairs(r, j, n, layout, causal)) for r in range(n)]
 
 
 # ------------------------------------------------------------------ the ring
@@ -186,7 +196,6 @@ def _wait(works: list) -> None:
 
 def _ring_forward(q, k, v, causal, layout, group, stats):
     n, rank, right, left = _neighbours(group)
-    mine = rank_chunks(rank, n, layout)
     qs = q.chunk(2, dim=-2)
     acc = [None, None]                                     # (out, lse) per query chunk
     kv = torch.stack([k, v]).contiguous()
@@ -199,14 +208,10 @@ def _ring_forward(q, k, v, causal, layout, group, stats):
             works = _post(kv, incoming, right, left, group, _KV_TAG)
         t0, c0 = time.perf_counter(), time.thread_time()
         ks, vs = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
-        for a, qc in enumerate(mine):
-            for b, kc in enumerate(rank_chunks(j, n, layout)):
-                kind = pair_kind(qc, kc, causal)
-                if kind is None:
-                    continue
-                o, lse = attention_lse(qs[a], ks[b], vs[b], causal=kind == "diagonal")
-                acc[a] = (o, lse) if acc[a] is None else merge_partials(*acc[a], o, lse)
-                pairs += 1
+        for a, b, diagonal in _pairs(rank, j, n, layout, causal):
+            o, lse = attention_lse(qs[a], ks[b], vs[b], causal=diagonal)
+            acc[a] = (o, lse) if acc[a] is None else merge_partials(*acc[a], o, lse)
+            pairs += 1
         t1 = time.perf_counter()
         compute_cpu += time.thread_time() - c0
         _wait(works)
@@ -245,7 +250,6 @@ def _ring_backward(q, k, v, out, lse, dout, causal, layout, group):
     """The ring again: K/V blocks travel as in forward, and with each block the sum of its
     dK/dV contributions so far; after N steps each block's gradients come home."""
     n, rank, right, left = _neighbours(group)
-    mine = rank_chunks(rank, n, layout)
     scale = 1.0 / math.sqrt(q.shape[-1])
     dout = dout.float()
     delta = (dout * out).sum(-1)                            # δ_i = Σ_d dO_id O_id
@@ -266,16 +270,12 @@ def _ring_backward(q, k, v, out, lse, dout, causal, layout, group):
         local = torch.zeros_like(kv)                        # this step's dK, dV of block j
         ks, vs = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
         dks, dvs = local[0].chunk(2, dim=-2), local[1].chunk(2, dim=-2)
-        for a, qc in enumerate(mine):
-            for b, kc in enumerate(rank_chunks(j, n, layout)):
-                kind = pair_kind(qc, kc, causal)
-                if kind is None:
-                    continue
-                dqa, dkb, dvb = _pair_backward(qs[a], deltas[a], dos[a], lses[a], ks[b], vs[b],
-                                               kind == "diagonal", scale)
-                dq[a] += dqa
-                dks[b].add_(dkb)
-                dvs[b].add_(dvb)
+        for a, b, diagonal in _pairs(rank, j, n, layout, causal):
+            dqa, dkb, dvb = _pair_backward(qs[a], deltas[a], dos[a], lses[a], ks[b], vs[b],
+                                           diagonal, scale)
+            dq[a] += dqa
+            dks[b].add_(dkb)
+            dvs[b].add_(dvb)
         _wait(grad_works)
         if grad_in is not None:
             local += grad_in                                # what the earlier ranks added

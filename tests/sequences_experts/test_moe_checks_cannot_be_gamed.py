@@ -51,22 +51,8 @@ def _evaluate(fn):
 
 
 def solution(tokens, expert_of_token, experts_per_rank, expert_fn):
-    """The notebook's solution."""
-    n = dist.get_world_size()
-    order = torch.argsort(expert_of_token, stable=True)
-    per_expert = torch.bincount(expert_of_token, minlength=n * experts_per_rank)
-    from_each = torch.empty_like(per_expert)
-    dist.all_to_all_single(from_each, per_expert)
-    send = per_expert.view(n, -1).sum(1).tolist()
-    recv = from_each.view(n, -1).sum(1).tolist()
-    got = tokens.new_empty((sum(recv), tokens.shape[1]))
-    dist.all_to_all_single(got, tokens[order], recv, send)
-    local = torch.arange(experts_per_rank).repeat(n).repeat_interleave(from_each)
-    out = torch.empty_like(got)
-    for j in range(experts_per_rank):
-        out[local == j] = expert_fn(j, got[local == j])
-    back = torch.empty_like(tokens)
-    dist.all_to_all_single(back, out, send, recv)
+    """The notebook's solution: its exchanges (:func:`_exchange`), then the unsort."""
+    back, order = _exchange(tokens, expert_of_token, experts_per_rank, expert_fn)
     result = torch.empty_like(tokens)
     result[order] = back
     return result
