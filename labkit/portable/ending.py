@@ -22,6 +22,23 @@ wait for non-daemon threads (``threading._shutdown``), run the ``atexit`` handle
 CPython) — and then leave with ``os._exit``: the interpreter never finalizes, and no gloo thread
 can be caught half-way. What is not flushed by then is lost, as after any ``os._exit``: a
 rank's files are closed before it ends, as they are in the lab's scripts.
+
+A rank whose step failed can also hang before it ends, in its own code. When a peer dies during
+``backward()``, gloo raises (``Connection closed by peer``) while later buckets' all-reduces are
+still queued. The exception's traceback holds the training function's frame, and that frame the
+DDP model: freeing the exception at the end of an ``except`` block frees the model, and
+pybind11 frees DDP's ``Reducer`` with the GIL held. When the Reducer holds the last reference to
+the group (in the capstone script it did, its ``finally:`` having destroyed the group),
+``~ProcessGroupGloo`` joins its worker threads, GIL still held, while one of them, holding the
+work queue's lock, waits for the GIL to release a finished work (gdb, torch 2.13.0: main thread
+``tb_dealloc`` → ``Reducer::~Reducer`` → ``~ProcessGroupGloo`` → ``thread::join``; workers
+``~AsyncAllreduceWork`` → ``take_gil`` and ``runLoop`` → ``mutex_lock``; destructors that can
+block behind the GIL are pytorch/pytorch#56297, open). The rank never exits, so torchrun never
+restarts the group: twice in 20 elastic capstone runs with the 2 cores busy, once in a
+clean-clone CI run (``tests/capstone/test_capstone_torchrun.py``). So the exception a
+rank ends with is kept (:func:`keep`) until ``os._exit``, never freed: :func:`run_then_exit`
+keeps the one ``main`` raised, and the lab's other rank loops (``lk.run``'s ranks, the
+workers of ``lk.torchrun.run_function``) keep theirs.
 """
 from __future__ import annotations
 
@@ -32,7 +49,15 @@ import sys
 import threading
 from typing import Callable, NoReturn
 
-__all__ = ["exit_now", "run_then_exit"]
+__all__ = ["exit_now", "run_then_exit", "keep"]
+
+_KEPT: list = []
+
+
+def keep(exc: BaseException) -> None:
+    """Hold ``exc`` (its traceback, the frames in it and all they hold) until the process ends
+    with ``os._exit``: freeing them can hang a rank whose collective failed (module docstring)."""
+    _KEPT.append(exc)
 
 
 def exit_now(code: int = 0) -> NoReturn:
@@ -65,17 +90,19 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
     """
     try:
         code = main()
-    except SystemExit as exc:
-        code = exc.code
-    except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())
-        _exit_work()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        code = 130                          # not reached: SIGINT's default action ends us
-    except BaseException:                   # noqa: BLE001  (reported as the interpreter would)
-        sys.excepthook(*sys.exc_info())
-        code = 1
+    except BaseException as exc:            # noqa: BLE001  (reported as the interpreter would)
+        keep(exc)                           # never freed: the docstring says why
+        if isinstance(exc, SystemExit):
+            code = exc.code
+        elif isinstance(exc, KeyboardInterrupt):
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+            _exit_work()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            code = 130                      # not reached: SIGINT's default action ends us
+        else:
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+            code = 1
     if code is None:
         code = 0
     elif not isinstance(code, int):         # sys.exit("message"): the message, and 1

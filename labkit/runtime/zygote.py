@@ -28,6 +28,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from ..portable.ending import keep
 from . import preload
 from .procs import die_with_parent, signal_all
 from .protocol import (DONE, EXIT, FORK, FORKED, HELLO, JOB, PORT, READY, PoolSpec,
@@ -272,6 +273,7 @@ def _run_job(job: dict, rank: int, world_size: int, devnull: int, outputs: list[
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         os._exit(code)
     except BaseException as exc:  # noqa: BLE001 - the notebook decides what to do with it
+        keep(exc)  # never freed (the rank leaves with os._exit): freeing it can hang a rank
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)  # user frames
         report.update(status="raised", error=f"{type(exc).__name__}: {exc}",
                       exc_type=type(exc).__name__, t_fail=time.time(), traceback="".join(tb))

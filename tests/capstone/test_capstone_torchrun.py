@@ -12,7 +12,7 @@ import torch
 from capstone_common import (TINY, equal, losses, no_ranks_at_the_end,
                              on_ranks)
 from labkit.capstone import train_gpt as G
-from labkit.runtime.torchrun import launch
+from labkit.runtime.torchrun import TorchrunTimeout, launch
 from labkit.torchrun import runs
 from labkit.torchrun.train import parse_log
 
@@ -82,7 +82,10 @@ def test_elastic_job_goes_on_when_a_node_leaves(tmp_path):
     agent = psutil.Process(job.agents[leaving].pid)
     for p in [agent, *agent.children(recursive=True)]:   # the whole node, at once
         p.kill()
-    result = job.wait(120)
+    try:
+        result = job.wait(120)
+    except TorchrunTimeout:                      # the whole story, not the last 8 lines
+        pytest.fail("the job did not finish:\n" + "\n".join(ln.format() for ln in job.lines))
     assert result.returncodes[1 - leaving] == 0 and result.returncodes[leaving] == -9, \
         result.tail(30)
     out = "\n".join(result.rank_lines(0))

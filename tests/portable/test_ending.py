@@ -15,6 +15,10 @@ _SCRIPT = """
 import atexit, logging, sys
 from labkit.portable.ending import run_then_exit
 
+class Finalized:
+    def __del__(self):
+        print("freed", file=sys.stderr, flush=True)
+
 logging.basicConfig(filename=sys.argv[2], level=logging.INFO)
 atexit.register(lambda: print("atexit ran"))
 
@@ -56,6 +60,18 @@ def test_a_script_ends_with_pythons_exit_code_and_its_exit_work_done(tmp_path, b
     assert "atexit ran" in out.stdout
     assert "not reached" not in out.stdout
     assert "INFO:root:logged" in log
+
+
+@pytest.mark.parametrize("body", ["raise ValueError('bad value')", "sys.exit(4)",
+                                  "raise KeyboardInterrupt"])
+def test_the_exception_a_script_ends_with_is_never_freed(tmp_path, body):
+    """Freeing it frees its traceback's frames and what they hold: a DDP model whose Reducer
+    holds the last reference to a gloo group, destroyed with the GIL held while a gloo thread
+    waits for the GIL (a rank that never exits: ending.py). The frame's objects outlive the
+    exit work and are never finalized."""
+    out, _ = _run(tmp_path, f"held = Finalized()\n{body}")
+    assert "atexit ran" in out.stdout
+    assert "freed" not in out.stderr, out.stderr
 
 
 def test_exit_now_skips_the_interpreters_teardown(tmp_path):

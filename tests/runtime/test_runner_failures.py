@@ -159,6 +159,25 @@ def test_raise_carries_the_remote_traceback():
     assert info.value.result[0].status in ("raised", "hung")
 
 
+def test_a_failed_rank_never_frees_its_exception(tmp_path):
+    """A rank that raised leaves with os._exit, its exception (and the frames in its traceback:
+    a DDP model, its gloo group) never freed: freeing a failed step can hang the rank
+    (labkit/portable/ending.py). An object of the failing frame is never finalized."""
+    def fails_holding(rank, world_size, folder):
+        import pathlib
+
+        class Finalized:
+            def __del__(self):
+                pathlib.Path(folder, f"freed{rank}").write_text("")
+        held = Finalized()  # noqa: F841
+        raise ValueError(f"rank {rank} fails")
+
+    with pytest.raises(lk.RankError, match="fails"):
+        lk.run(fails_holding, world_size=2, args=(str(tmp_path),), echo=False)
+    assert_no_ranks_left()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_hung_ranks_show_where_they_are_stuck():
     res = lk.run(sleeps_instead, world_size=2, timeout=30, deadline=2, check=False, echo=False)
     assert [r.status for r in res.ranks] == ["hung", "hung"]

@@ -302,6 +302,34 @@ def test_rank_0_hosting_the_store_outlives_the_other_ranks_functions():
     assert run_function(_late_store_reader, timeout=120, echo=False).values == ["set", "read"]
 
 
+def _fails_holding(folder):
+    import pathlib
+
+    class Finalized:
+        def __del__(self):
+            pathlib.Path(folder, "freed").write_text("")
+    held = Finalized()  # noqa: F841
+    raise ValueError("fails")
+
+
+def test_a_failed_worker_never_frees_its_exception(tmp_path, monkeypatch):
+    """run_function's worker (called here in this process, RANK 0 of 1): its report says how the
+    function failed, and the exception (the frames in its traceback: a DDP model, its gloo
+    group) is never freed, since freeing a failed step can hang the worker
+    (labkit/portable/ending.py)."""
+    import cloudpickle
+
+    from labkit.runtime.torchrun.function import _dumps, _worker
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    (tmp_path / "fn.pkl").write_bytes(_dumps(cloudpickle, _fails_holding,
+                                             {"folder": str(tmp_path)}))
+    assert _worker(str(tmp_path / "fn.pkl"), str(tmp_path)) == 1
+    report = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert "ValueError: fails" in report["error"]
+    assert not (tmp_path / "freed").exists()
+
+
 def test_exercise_names_each_mistake():
     from labkit.torchrun.check import check_torchrun_exercise
 

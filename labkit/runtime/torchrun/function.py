@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ...portable.ending import exit_now
+from ...portable.ending import exit_now, keep
 from . import TorchrunFailed, run
 
 __all__ = ["run_function", "FunctionRun"]
@@ -127,11 +127,13 @@ def _worker(fn_path: str, out_dir: str) -> int:
         fn, kwargs = cloudpickle.loads(Path(fn_path).read_bytes())
         with contextlib.redirect_stdout(out):
             report["value"] = _plain(fn(**kwargs))
-    except NotImplementedError as exc:
-        report.update(not_done=True, error=f"NotImplementedError: {exc}")
-    except BaseException:  # noqa: BLE001  (the learner's error goes back to the notebook)
-        report["error"] = traceback.format_exc()
-        print(report["error"], file=sys.stderr, flush=True)
+    except BaseException as exc:  # noqa: BLE001  (the learner's error goes back to the notebook)
+        keep(exc)   # never freed (exit_now ends the worker): freeing it can hang a worker
+        if isinstance(exc, NotImplementedError):
+            report.update(not_done=True, error=f"NotImplementedError: {exc}")
+        else:
+            report["error"] = traceback.format_exc()
+            print(report["error"], file=sys.stderr, flush=True)
     import torch.distributed as dist
 
     report["pg_left"] = dist.is_available() and dist.is_initialized()
