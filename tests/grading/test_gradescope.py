@@ -1,9 +1,10 @@
 """The Gradescope autograder, for real: the zip built by the command, unpacked into a folder
 laid out as Gradescope lays out ``/autograder``, ``setup.sh``'s install step run against this
 environment, and ``run_autograder`` run on submissions of a quiz-only lesson (00: solved,
-untouched, partly answered, hostile, garbage, none and several) and of a lesson with a
-multi-process exercise (01: solved and untouched; the rest grades the same way). Every ``results.json`` is checked against Gradescope's schema, the scores
-exactly, the key never shown, and no process left behind.
+untouched, partly answered after hostile cells, garbage, truncated, none and several) and of
+a lesson with a multi-process exercise (01: solved and untouched; the rest grades the same way).
+Every ``results.json`` is checked against Gradescope's schema, the scores exactly, the key never
+shown, and no process left behind.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from labkit.grading.bank import all_banks, bank_dir, load_bank
 ROOT = Path(__file__).resolve().parents[2]
 LESSONS = ("00_setup", "01_data_vs_model_parallelism")
 QUIZ_ONLY = LESSONS[0]   # partial, hostile and ungradable submissions: graded for this lesson only
-CELL_TIMEOUT = 10   # the hostile submission's endless loop costs this much
+CELL_TIMEOUT = 10   # the hostile submission's endless loop waits this long
 
 # https://gradescope-autograders.readthedocs.io/en/latest/specs/ (the fields we may write)
 TOP_FIELDS = {"score", "execution_time", "output", "output_format", "visibility",
@@ -163,14 +164,14 @@ def graded(request, autograders):
     changes, lost = partial_changes(ag.bank)
     if lesson != QUIZ_ONLY:           # what follows grades the quiz: one lesson is enough
         return ag, runs, changes, lost
-    nb = solved(lesson)
-    nb.cells.append(nbformat.v4.new_code_cell("\n".join(
-        f"{ag.bank.questions[qid].variable} = {value!r}" for qid, value in changes.items())))
-    runs["partial"] = ag.grade({f"{lesson}.ipynb": nbformat.writes(nb).encode()})
-
+    # One grading for two tests (a whole notebook's run each): the solved notebook, partly
+    # answered (its last cell changes two answers), after a cell that forges a grade and an
+    # endless loop (it sleeps: the busy loop's interrupt is tests/grading/test_grade.py's)
     nb = solved(lesson)
     nb.cells[1:1] = [nbformat.v4.new_code_cell(HOSTILE),
-                     nbformat.v4.new_code_cell("while True:\n    pass")]
+                     nbformat.v4.new_code_cell("while True:\n    __import__('time').sleep(0.05)")]
+    nb.cells.append(nbformat.v4.new_code_cell("\n".join(
+        f"{ag.bank.questions[qid].variable} = {value!r}" for qid, value in changes.items())))
     runs["hostile"] = ag.grade({"my work/attempt.ipynb": nbformat.writes(nb).encode()})
     runs["hostile_ran"] = (ag.root / "results" / "hostile-ran").exists()
     time.sleep(0.5)
@@ -228,7 +229,7 @@ def test_untouched_student_notebook_scores_zero_for_the_right_reason(graded):
 @pytest.mark.parametrize("graded", [QUIZ_ONLY], indirect=True)
 def test_partly_answered_scores_exactly_and_never_shows_the_key(graded):
     ag, runs, changes, lost = graded
-    results, _ = runs["partial"]
+    results, _ = runs["hostile"]                # partly answered, after the hostile cells
     assert results["score"] == pytest.approx(ag.bank.max_points - lost)
     tests = {t["name"]: t for t in results["tests"]}
     for qid, value in changes.items():
@@ -245,10 +246,10 @@ def test_partly_answered_scores_exactly_and_never_shows_the_key(graded):
 
 @pytest.mark.parametrize("graded", [QUIZ_ONLY], indirect=True)
 def test_hostile_submission_cannot_write_its_own_grade_and_leaves_nothing(graded):
-    ag, runs, *_ = graded
+    ag, runs, _, lost = graded
     results, _ = runs["hostile"]
     assert runs["hostile_ran"]    # the forging cell did run, and wrote its results.json
-    assert results["score"] == pytest.approx(ag.bank.max_points)   # answers graded all the same
+    assert results["score"] == pytest.approx(ag.bank.max_points - lost)  # answers still graded
     assert "cell 3 (while True:): timeout" in results["output"], results["output"]  # named
     assert runs["hostile_after"] == results    # the forger was stopped before the results
 

@@ -161,10 +161,14 @@ def test_gradients_averaged_once_instead_of_every_step_are_not_enough():
 # lines.py). Every answer below runs under real torchrun (run A: 2 workers, a crash, a restart;
 # run B: 3 nodes on loopback) and must fail a case that names what it did:
 #
-# * lazy and wrong answers: ``hard_codes_rank_0``, ``hard_codes_world_size_2``,
+# * lazy and wrong answers: ``hard_codes_rank_0_and_swallows_the_failure`` (no worker fails, so
+#   torchrun never restarts), ``hard_codes_world_size_2_and_never_destroys``,
 #   ``reads_local_rank`` (LOCAL_RANK for RANK: 0 on every node of run B), ``never_joins``,
-#   ``joins_its_own_address`` (init without the environment: a fixed tcp:// port),
-#   ``never_destroys``, ``swallows_the_failure`` (no worker fails, so torchrun never restarts);
+#   ``joins_its_own_address`` (init without the environment: a fixed tcp:// port). The first
+#   two make two mistakes each, graded in one pair of launches (two torchrun runs cost ~22 s of
+#   CPU: eleven processes importing torch): the mistakes are judged on different evidence (the
+#   rank or world size the body was given; whether torchrun restarted, whether a group was
+#   left), and each must fail its own case, with its own words;
 # * the lab's own code doing the work: ``calls_the_lab`` (lk.torchrun.torchrun_main, a
 #   labkit.grading.references reference);
 # * a side channel: ``joins_through_a_file`` (init_method="file://..."), and
@@ -199,7 +203,7 @@ def lines_answer(body, *args):
         dist.destroy_process_group()
 
 
-def hard_codes_rank_0(body, *args):
+def hard_codes_rank_0_and_swallows_the_failure(body, *args):
     import os
 
     import torch.distributed as dist
@@ -207,20 +211,19 @@ def hard_codes_rank_0(body, *args):
     dist.init_process_group("gloo")
     try:
         return body(rank, world_size, *args)
+    except Exception as exc:                         # noqa: BLE001
+        print(f"rank {rank}: ignored {exc}")
     finally:
         dist.destroy_process_group()
 
 
-def hard_codes_world_size_2(body, *args):
+def hard_codes_world_size_2_and_never_destroys(body, *args):
     import os
 
     import torch.distributed as dist
     rank, world_size = int(os.environ["RANK"]), 2
     dist.init_process_group("gloo")
-    try:
-        return body(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    return body(rank, world_size, *args)
 
 
 def reads_local_rank(body, *args):
@@ -265,29 +268,6 @@ def joins_through_a_file(body, *args):
                             world_size=world_size)
     try:
         return body(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def never_destroys(body, *args):
-    import os
-
-    import torch.distributed as dist
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
-    return body(rank, world_size, *args)
-
-
-def swallows_the_failure(body, *args):
-    import os
-
-    import torch.distributed as dist
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
-    try:
-        return body(rank, world_size, *args)
-    except Exception as exc:                         # noqa: BLE001
-        print(f"rank {rank}: ignored {exc}")
     finally:
         dist.destroy_process_group()
 
@@ -360,19 +340,22 @@ def _lines_cases(answer):
 NOT_JOINED = "not counted: the workers did not all join one group"
 
 
-@pytest.mark.parametrize("answer, failing, words", [
-    (hard_codes_rank_0, [RANK_CASE], "passed rank=0 whatever torchrun set"),
-    (hard_codes_world_size_2, [WORLD_CASE], "passed world_size=2 whatever torchrun set"),
-    (reads_local_rank, [RANK_CASE], "its LOCAL_RANK, the rank on its node"),
-    (never_destroys, [DESTROYS], "call dist.destroy_process_group() in a finally: block"),
-    (swallows_the_failure, [SURVIVES], "torchrun never restarted the group"),
-    (calls_the_lab, [OWN], "lk's torchrun.entry.torchrun_main ran inside your answer"),
+@pytest.mark.parametrize("answer, failing", [
+    (hard_codes_rank_0_and_swallows_the_failure,
+     {RANK_CASE: "passed rank=0 whatever torchrun set",
+      SURVIVES: "torchrun never restarted the group"}),
+    (hard_codes_world_size_2_and_never_destroys,
+     {WORLD_CASE: "passed world_size=2 whatever torchrun set",
+      DESTROYS: "call dist.destroy_process_group() in a finally: block"}),
+    (reads_local_rank, {RANK_CASE: "its LOCAL_RANK, the rank on its node"}),
+    (calls_the_lab, {OWN: "lk's torchrun.entry.torchrun_main ran inside your answer"}),
 ])
-def test_a_wrong_line_fails_the_case_that_names_it(answer, failing, words):
+def test_a_wrong_line_fails_the_case_that_names_it(answer, failing):
     cases = _lines_cases(answer)
-    assert [n for n, c in cases.items() if not c.passed] == failing, \
-        {n: c.detail for n, c in cases.items()}
-    assert words in cases[failing[0]].detail, cases[failing[0]].detail
+    assert [n for n, c in cases.items() if not c.passed] == \
+        [n for n in LINES_ALL if n in failing], {n: c.detail for n, c in cases.items()}
+    for name, words in failing.items():
+        assert words in cases[name].detail, (name, cases[name].detail)
 
 
 @pytest.mark.parametrize("answer, words", [
