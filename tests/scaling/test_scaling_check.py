@@ -102,7 +102,8 @@ def test_calling_torchs_own_hook_fails_every_case_and_names_it_in_the_last():
     assert len(bad) == len(cases), bad
     assert bad["written by hand (not torch's fp16_compress_hook)"].startswith(
         "your hook called torch's")
-    assert all("did the work" in d for name, d in bad.items() if not name.startswith("written"))
+    assert all("did the work" in d for name, d in bad.items() if not name.startswith("written")), \
+        bad
 
 
 def test_doing_nothing_fails_gradients_bytes_and_replicas():
