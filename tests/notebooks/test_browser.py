@@ -21,7 +21,9 @@ All Cells, saved, checked, and its tab closed:
 Per-notebook expectations come from the notebook's source (a notebook that calls
 ``lk.quiz.ask`` must show a quiz form ...). ``test_the_checks_can_fail`` runs a generated notebook
 with a raising cell, a broken widget, a slow cell without a bar, a process that outlives the
-kernel and an answered bank question, and asserts all five are caught. Screenshots land in ``artifacts/browser/`` (not committed).
+kernel and an answered bank question, and asserts all five are caught. Screenshots land in
+``artifacts/browser/NOTEBOOK/`` (not committed), with ``summary.txt``: where the notebook's time
+went (open, run all, checks, grade, its slowest cells), written on a pass too.
 
 Skipped, with the reason, only where ``playwright`` or ``chromium-headless-shell`` is missing
 (``tests/install_browser.sh`` installs the browser where it can); ``LABKIT_REQUIRE_BROWSER=1``
@@ -35,7 +37,8 @@ import re
 import nbformat
 import pytest
 
-from browser_helpers import CHROMIUM_ARGS, REPO, Lab, chromium_path, lab_command, missing
+from browser_helpers import (ARTIFACTS, CHROMIUM_ARGS, REPO, Lab, chromium_path, lab_command,
+                             missing)
 import browser_page as bp
 
 MISSING = missing()
@@ -160,6 +163,7 @@ def test_notebook_in_jupyterlab(lab, page, path):
     report = bp.check_notebook(lab, page, rel, slow_s=SLOW_S,
                                as_readme=(rel == readme_notebook()), grade=True)
     print(report.summary())
+    (ARTIFACTS / path.stem / "summary.txt").write_text(report.summary() + "\n")
     assert report.problems == [], f"{rel} in JupyterLab:\n  " + "\n  ".join(report.problems)
     if "quiz.ask(" in source:
         assert report.quizzes, f"{rel} calls lk.quiz.ask but no quiz form (.labkit-quiz) rendered"
