@@ -171,15 +171,42 @@ def _exchange(out, right: int, target, left: int, buf, trace, step: int, send_c:
     if not ops:                                       # empty chunks (tensor shorter than N)
         return
     t0 = now()
-    _post_and_wait(ops, out.is_cuda)
-    if add and target.numel():
-        target.add_(incoming)
+    pieces = target.numel() * target.element_size() // PIECE_BYTES if add else 0
+    if pieces > 1 and not out.is_cuda:
+        _add_as_it_lands(out, right, target, left, incoming, pieces)
+    else:
+        _post_and_wait(ops, out.is_cuda)
+        if add and target.numel():
+            target.add_(incoming)
     if trace is not None:
         end = _sync_now(out)
         for f, t, peer in ops:
             send = f is dist.isend
             trace.record("send" if send else "recv", peer, t.numel() * t.element_size(), step,
                          send_c if send else recv_c, t0, end)
+
+
+PIECE_BYTES = 4 << 20   # a reduce-scatter chunk of twice this or more arrives in pieces this big
+
+
+def _add_as_it_lands(out, right: int, target, left: int, incoming, pieces: int) -> None:
+    """A reduce-scatter step of a large chunk on CPU: ``out`` goes right and the chunk from the
+    left arrives in ``pieces`` messages, all posted at once; each piece is added into
+    ``target`` as soon as it has landed, while the later ones are still in flight. Added after
+    the whole transfer instead, the add of a 32 MiB chunk (~4 ms here) sat on top of every
+    64 MiB all-reduce on 2 ranks (~45 ms); ``dist.all_reduce`` hides its own the same way.
+    Both neighbours split the chunk alike (every rank's chunk ``c`` has the same length), and
+    messages between two ranks with one tag arrive in the order they were posted. On GPUs the
+    add is queued on the stream behind the receive anyway: one piece, one NCCL group."""
+    import torch.distributed as dist
+    receives = [(dist.irecv(p, left), t, p) for t, p in
+                zip(target.tensor_split(pieces), incoming.tensor_split(pieces))]
+    sends = [dist.isend(p, right) for p in out.tensor_split(pieces)]
+    for work, t, p in receives:
+        work.wait()
+        t.add_(p)
+    for work in sends:
+        work.wait()
 
 
 _SCRATCH: dict = {}

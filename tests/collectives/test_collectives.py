@@ -135,6 +135,45 @@ def test_the_kept_receive_buffer_serves_calls_of_every_size_and_dtype():
         assert ok == [True] * 5 and {"torch.float32", "torch.float64", "torch.int64"} <= set(keys)
 
 
+def _pieces_job(rank, world_size):
+    import torch.distributed as dist
+
+    from labkit.collectives import allreduce
+    allreduce.PIECE_BYTES = 256                    # in this rank only: chunks arrive in pieces
+    posted, real = [], dist.irecv
+
+    def irecv(tensor, src, *args, **kwargs):
+        posted.append(tensor.numel())
+        return real(tensor, src, *args, **kwargs)
+    out = []
+    for numel, dtype in ((4099, torch.float32), (2003, torch.int64), (1024, torch.float64)):
+        gen = torch.Generator().manual_seed(rank + numel)
+        x = torch.randint(1, 1000, (numel,), generator=gen).to(dtype)   # exact in any order
+        ours, ref = x.clone(), x.clone()
+        dist.irecv = irecv
+        try:
+            allreduce.ring_all_reduce(ours)
+        finally:
+            dist.irecv = real
+        dist.all_reduce(ref)
+        out.append(bool(torch.equal(ours, ref)))
+    return out, posted
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_large_chunk_is_received_in_pieces_and_still_sums_exactly(n):
+    """From 2 * PIECE_BYTES a reduce-scatter chunk comes in pieces, each added as it lands:
+    odd lengths and every dtype still give dist.all_reduce's result, and the pieces were used
+    (more receives than the ring's 2(N-1) per call, none longer than a piece)."""
+    res = lk.run(_pieces_job, n, backend="gloo", timeout=30, echo=False)
+    for ok, posted in res.values:
+        assert ok == [True] * 3
+        assert len(posted) > 3 * 2 * (n - 1), posted
+        assert max(posted) <= -(-4099 // n), posted     # the all-gather's whole chunk at most
+        assert min(posted) <= 256 // 4, posted          # and pieces of at most PIECE_BYTES
+
+
 def _two_rank_random(rank, world_size, algo):
     import torch.distributed as dist
     torch.manual_seed(rank)
