@@ -157,6 +157,26 @@ def test_ranks_and_their_threads_run_under_batch_scheduling_unless_turned_off():
     assert os.sched_getscheduler(0) == os.SCHED_OTHER     # the notebook's process is not touched
 
 
+def test_what_a_rank_starts_with_is_frozen_and_a_job_s_garbage_still_collected():
+    """gc.freeze() at the rank's start: torch's objects out of every later collection's
+    sight (a collection in 4 ranks at once stalled a repeated job), a job's cycles freed."""
+    def job(rank, world_size):
+        import gc
+        import weakref
+
+        class Node:
+            pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a                  # a cycle: only the collector frees it
+        gone = weakref.ref(a)
+        del a, b
+        gc.collect()
+        return gc.get_freeze_count(), gone() is None
+
+    for frozen, freed in lk.run(job, world_size=2, echo=False, fresh=True).values:
+        assert frozen > 50_000 and freed, (frozen, freed)
+
+
 def test_per_job_environment_gets_fresh_processes():
     def f(rank, world_size):
         import torch.distributed as dist
