@@ -113,17 +113,21 @@ def _scratch_job(rank, world_size):
     import torch.distributed as dist
 
     from labkit.collectives import allreduce
-    allreduce.KEEP_BYTES = 64                      # in this rank only: these sizes get it
+    kept, allreduce.KEEP_BYTES = allreduce.KEEP_BYTES, 64   # these sizes get the kept buffer
     out = []
-    for numel, dtype in ((1001, torch.float32), (37, torch.float32), (4001, torch.float32),
-                         (50, torch.float64), (2001, torch.int64)):
-        gen = torch.Generator().manual_seed(rank + numel)
-        x = torch.randint(1, 1000, (numel,), generator=gen).to(dtype)   # exact in any order
-        ours, ref = x.clone(), x.clone()
-        allreduce.ring_all_reduce(ours)
-        dist.all_reduce(ref)
-        out.append(bool(torch.equal(ours, ref)))
-    return out, sorted(str(k[1]) for k in allreduce._SCRATCH)
+    try:
+        for numel, dtype in ((1001, torch.float32), (37, torch.float32), (4001, torch.float32),
+                             (50, torch.float64), (2001, torch.int64)):
+            gen = torch.Generator().manual_seed(rank + numel)
+            x = torch.randint(1, 1000, (numel,), generator=gen).to(dtype)   # exact in any order
+            ours, ref = x.clone(), x.clone()
+            allreduce.ring_all_reduce(ours)
+            dist.all_reduce(ref)
+            out.append(bool(torch.equal(ours, ref)))
+        return out, sorted(str(k[1]) for k in allreduce._SCRATCH)
+    finally:
+        allreduce.KEEP_BYTES = kept                # the pool's ranks serve later tests
+        allreduce._SCRATCH.clear()
 
 
 @pytest.mark.timeout(60)
@@ -135,28 +139,36 @@ def test_the_kept_receive_buffer_serves_calls_of_every_size_and_dtype():
         assert ok == [True] * 5 and {"torch.float32", "torch.float64", "torch.int64"} <= set(keys)
 
 
+SIZES = ((4099, torch.float32), (2003, torch.int64), (1024, torch.float64),
+         (255, torch.float32), (383, torch.float32))   # the last two: neighbouring chunks on
+                                                        # either side of a piece boundary
+
+
 def _pieces_job(rank, world_size):
     import torch.distributed as dist
 
     from labkit.collectives import allreduce
-    allreduce.PIECE_BYTES = 256                    # in this rank only: chunks arrive in pieces
-    posted, real = [], dist.irecv
+    posted, real, kept = [], dist.irecv, allreduce.PIECE_BYTES
 
     def irecv(tensor, src, *args, **kwargs):
-        posted.append(tensor.numel())
+        posted.append(tensor.numel() * tensor.element_size())
         return real(tensor, src, *args, **kwargs)
     out = []
-    for numel, dtype in ((4099, torch.float32), (2003, torch.int64), (1024, torch.float64)):
-        gen = torch.Generator().manual_seed(rank + numel)
-        x = torch.randint(1, 1000, (numel,), generator=gen).to(dtype)   # exact in any order
-        ours, ref = x.clone(), x.clone()
-        dist.irecv = irecv
-        try:
-            allreduce.ring_all_reduce(ours)
-        finally:
-            dist.irecv = real
-        dist.all_reduce(ref)
-        out.append(bool(torch.equal(ours, ref)))
+    allreduce.PIECE_BYTES = 256                    # chunks of 512 B or more arrive in pieces
+    try:
+        for numel, dtype in SIZES:
+            gen = torch.Generator().manual_seed(rank + numel)
+            x = torch.randint(1, 1000, (numel,), generator=gen).to(dtype)   # exact in any order
+            ours, ref = x.clone(), x.clone()
+            dist.irecv = irecv
+            try:
+                allreduce.ring_all_reduce(ours)
+            finally:
+                dist.irecv = real
+            dist.all_reduce(ref)
+            out.append(bool(torch.equal(ours, ref)))
+    finally:
+        allreduce.PIECE_BYTES = kept               # the pool's ranks serve later tests
     return out, posted
 
 
@@ -164,14 +176,20 @@ def _pieces_job(rank, world_size):
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_large_chunk_is_received_in_pieces_and_still_sums_exactly(n):
     """From 2 * PIECE_BYTES a reduce-scatter chunk comes in pieces, each added as it lands:
-    odd lengths and every dtype still give dist.all_reduce's result, and the pieces were used
-    (more receives than the ring's 2(N-1) per call, none longer than a piece)."""
+    odd lengths and every dtype still give dist.all_reduce's result, also where a chunk and
+    its neighbour (one element shorter) fall on either side of a piece boundary, so that
+    sender and receiver must count the pieces of the chunk that travels; and the pieces were
+    used: more receives than the ring's 2(N-1) per call, each piece at least PIECE_BYTES and
+    under twice it, the all-gather's receives whole chunks."""
     res = lk.run(_pieces_job, n, backend="gloo", timeout=30, echo=False)
+    chunks = {-(-numel // n) * torch.tensor([], dtype=dtype).element_size()
+              for numel, dtype in SIZES}                # each size's largest chunk, in bytes
     for ok, posted in res.values:
-        assert ok == [True] * 3
-        assert len(posted) > 3 * 2 * (n - 1), posted
-        assert max(posted) <= -(-4099 // n), posted     # the all-gather's whole chunk at most
-        assert min(posted) <= 256 // 4, posted          # and pieces of at most PIECE_BYTES
+        assert ok == [True] * len(SIZES)
+        assert len(posted) > len(SIZES) * 2 * (n - 1), posted
+        pieces = [b for b in posted if b not in chunks and b + 4 not in chunks
+                  and b + 8 not in chunks]              # not a whole chunk (or one shorter)
+        assert pieces and all(256 <= b < 512 for b in pieces), posted
 
 
 def _two_rank_random(rank, world_size, algo):
