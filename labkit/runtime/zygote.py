@@ -79,8 +79,10 @@ def _serve(ctrl: socket.socket, children: set[int], wake_r: int, wake_w: int,
         ready, _, _ = select.select([ctrl, wake_r], [], [], idle_s if preloaded else quiet)
         if not ready and not preloaded:
             # The first idle moment: preload torch._dynamo (labkit.runtime.preload) for every
-            # later rank. Not before "hello": the kernel may still be busy importing.
+            # later rank. Not before "hello": the kernel may still be busy importing. Then the
+            # collector's work once here rather than in every rank (see rank_main).
             preload.preload_dynamo()
+            gc.collect()
             preloaded = True
             continue
         if not ready and not children:
@@ -148,6 +150,7 @@ def _reap(ctrl: socket.socket, children: set[int]) -> None:
 
 
 def _fork_ranks(spec: PoolSpec, ctrl, wake_r: int, wake_w: int):
+    gc.freeze()   # a rank's collections leave the pages it shares with us alone (rank_main)
     mine, pids = [], []
     for rank in range(spec.world_size):
         parent_end, child_end = socket.socketpair()
@@ -204,12 +207,12 @@ def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
     dist.init_process_group(spec.backend, store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
     conn.send((READY, os.getpid()))
-    # Everything alive now (torch's ~285,000 objects from the zygote, the group) lives as long
-    # as the rank: out of the collector's sight, a job's collection scans only what jobs made.
-    # Without it, 2 or 3 of every 40 repeated jobs of 4 ranks took 12-16 ms instead of ~2 (a
-    # collection in all 4 at once); with it, 1 of 160 took over 5 ms (6.4). A job's own
-    # garbage is still collected. labkit.grading.integrity's census freezes and unfreezes on
-    # top of this (after a census the rank's objects are in sight again: slower, not wrong).
+    # Out of the collector's sight: what the rank starts with (the zygote froze its own objects,
+    # torch's ~166,000, ~285,000 with torch._dynamo preloaded, before forking; this adds the
+    # store and the group), so a job's collections scan only what jobs made. Without it, 2 or 3
+    # of every 40 repeated jobs of 4 ranks took 12-16 ms instead of ~2 (a collection in all 4
+    # at once); with it, 1 of 160 took over 5 ms (6.4). A job's own garbage is still collected,
+    # except a cycle through a frozen object.
     gc.freeze()
     devnull = os.open(os.devnull, os.O_WRONLY)
     while conn.poll(spec.idle_timeout):
@@ -227,6 +230,11 @@ def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
             # Leave like a failed rank under torchrun: peers blocked in a collective
             # see the connection close at once instead of waiting for the timeout.
             os._exit(1)
+        if not gc.get_freeze_count():
+            # The job unfroze it (labkit.grading.integrity's census does, as it ends): the job's
+            # garbage collected, what is left frozen again, before the next job comes.
+            gc.collect()
+            gc.freeze()
     if dist.is_initialized():
         dist.destroy_process_group()
     os._exit(0)

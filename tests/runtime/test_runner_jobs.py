@@ -159,7 +159,8 @@ def test_ranks_and_their_threads_run_under_batch_scheduling_unless_turned_off():
 
 def test_what_a_rank_starts_with_is_frozen_and_a_job_s_garbage_still_collected():
     """gc.freeze() at the rank's start: torch's objects out of every later collection's
-    sight (a collection in 4 ranks at once stalled a repeated job), a job's cycles freed."""
+    sight (a collection in 4 ranks at once stalled a repeated job), a job's cycles freed;
+    frozen again after a job that unfroze them."""
     def job(rank, world_size):
         import gc
         import weakref
@@ -174,6 +175,14 @@ def test_what_a_rank_starts_with_is_frozen_and_a_job_s_garbage_still_collected()
         return gc.get_freeze_count(), gone() is None
 
     for frozen, freed in lk.run(job, world_size=2, echo=False, fresh=True).values:
+        assert frozen > 50_000 and freed, (frozen, freed)
+
+    def unfreeze(rank, world_size):          # as labkit.grading.integrity's census ends
+        import gc
+        gc.unfreeze()
+        return gc.get_freeze_count()
+    assert lk.run(unfreeze, world_size=2, echo=False).values == [0, 0]
+    for frozen, freed in lk.run(job, world_size=2, echo=False).values:   # the same ranks
         assert frozen > 50_000 and freed, (frozen, freed)
 
 
