@@ -80,10 +80,13 @@ class Census:
     """A baseline of the live objects of this process, then counts of what was made since.
 
     A context manager: ``__enter__`` collects garbage and freezes what is alive (the baseline),
-    ``__exit__`` unfreezes it. Methods may be called any number of times inside.
+    ``__exit__`` unfreezes it (and, in a process that had frozen objects before, such as an
+    ``lk.run`` rank, collects and freezes what is left, as it found it). Methods may be called
+    any number of times inside.
     """
 
     def __enter__(self) -> "Census":
+        self._was_frozen = gc.get_freeze_count() > 0   # lk.run's ranks freeze what they start with
         gc.collect()
         self._old = []              # sentinels: frozen (never seen again) and young (always seen)
         gc.freeze()
@@ -92,6 +95,9 @@ class Census:
 
     def __exit__(self, *exc) -> None:
         gc.unfreeze()
+        if self._was_frozen:        # leave the rank as found: its long-lived objects frozen
+            gc.collect()
+            gc.freeze()
 
     def objects(self) -> list:
         """Every live container object created since the baseline (after a collection)."""

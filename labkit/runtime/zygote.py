@@ -212,7 +212,10 @@ def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
     # store and the group), so a job's collections scan only what jobs made. Without it, 2 or 3
     # of every 40 repeated jobs of 4 ranks took 12-16 ms instead of ~2 (a collection in all 4
     # at once); with it, 1 of 160 took over 5 ms (6.4). A job's own garbage is still collected,
-    # except a cycle through a frozen object.
+    # except a cycle through a frozen object. (A job that calls gc.unfreeze() brings them back
+    # into sight: slower, not wrong; labkit.grading.integrity's census freezes them again.
+    # Not gc.get_freeze_count() after every job to notice it: it walks every frozen object,
+    # 40 ms a job.)
     gc.freeze()
     devnull = os.open(os.devnull, os.O_WRONLY)
     while conn.poll(spec.idle_timeout):
@@ -230,11 +233,6 @@ def rank_main(conn: Connection, rank: int, spec: PoolSpec) -> None:
             # Leave like a failed rank under torchrun: peers blocked in a collective
             # see the connection close at once instead of waiting for the timeout.
             os._exit(1)
-        if not gc.get_freeze_count():
-            # The job unfroze it (labkit.grading.integrity's census does, as it ends): the job's
-            # garbage collected, what is left frozen again, before the next job comes.
-            gc.collect()
-            gc.freeze()
     if dist.is_initialized():
         dist.destroy_process_group()
     os._exit(0)
