@@ -13,7 +13,8 @@ ways to build it from point-to-point messages:
 Both work in place and return the tensor, like ``dist.all_reduce`` (``op="sum"`` or
 ``"mean"``), on gloo and NCCL, for any shape, dtype and length (even shorter than N).
 With ``trace=RankTrace(...)`` they record every chunk sent and received (a chunk of 8 MiB or
-more goes in pieces: one record still) and every chunk's value after each step (:mod:`labkit.collectives.trace`); :func:`record` runs one on real ranks and returns the
+more goes in pieces: one record still) and every chunk's value after each step
+(:mod:`labkit.collectives.trace`); :func:`record` runs one on real ranks and returns the
 merged :class:`~labkit.collectives.trace.Trace`. The exercise checker and the quiz keys are
 in :mod:`labkit.collectives.check`.
 
@@ -205,11 +206,11 @@ def _add_as_it_lands(out, right: int, sent: int, target, left: int, received: in
     Before, the whole chunk was added after the whole transfer: the add of a 32 MiB chunk
     (~4 ms here) came on top of the two 32 MiB exchanges (17-23 ms each) of a 64 MiB all-reduce
     on 2 ranks. gloo's own ring overlaps its reduction with the transfer too, segment by
-    segment (upstream gloo's ``gloo/allreduce.cc``). The sender splits ``out`` as the receiver splits
-    ``target`` (the same chunk, the same :func:`_pieces`), and gloo matches messages between
-    two ranks with one tag in the order they were posted. Not on GPUs: there the add is queued
-    on the stream and runs after the whole receive; it is small there, and the pair stays one
-    NCCL group."""
+    segment (upstream gloo's ``gloo/allreduce.cc``). The sender splits ``out`` as the receiver
+    splits ``target`` (the same chunk, the same :func:`_pieces`), and gloo matches messages
+    between two ranks with one tag in the order they were posted. Not on GPUs: there the add
+    is queued on the stream and runs after the whole receive; it is small there, and the pair
+    stays one NCCL group."""
     import torch.distributed as dist
     receives = [(dist.irecv(p, left), t, p) for t, p in
                 zip(target.tensor_split(received), incoming.tensor_split(received))]
