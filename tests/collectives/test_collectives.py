@@ -109,21 +109,30 @@ def test_matches_dist_all_reduce_on_every_case(n, algo):
             assert len({rows[r][i]["digest"] for r in range(n)}) == 1, name
 
 
-def _scratch_job(rank, world_size):
+def _ring_equals_dist(rank: int, sizes) -> list[bool]:
+    """For each (numel, dtype): the lab's ring and dist.all_reduce on this rank's integers
+    (exact in any order), bit for bit."""
     import torch.distributed as dist
 
     from labkit.collectives import allreduce
-    kept, allreduce.KEEP_BYTES = allreduce.KEEP_BYTES, 64   # these sizes get the kept buffer
     out = []
+    for numel, dtype in sizes:
+        gen = torch.Generator().manual_seed(rank + numel)
+        x = torch.randint(1, 1000, (numel,), generator=gen).to(dtype)
+        ours, ref = x.clone(), x.clone()
+        allreduce.ring_all_reduce(ours)
+        dist.all_reduce(ref)
+        out.append(bool(torch.equal(ours, ref)))
+    return out
+
+
+def _scratch_job(rank, world_size):
+    from labkit.collectives import allreduce
+    kept, allreduce.KEEP_BYTES = allreduce.KEEP_BYTES, 64   # these sizes get the kept buffer
     try:
-        for numel, dtype in ((1001, torch.float32), (37, torch.float32), (4001, torch.float32),
-                             (50, torch.float64), (2001, torch.int64)):
-            gen = torch.Generator().manual_seed(rank + numel)
-            x = torch.randint(1, 1000, (numel,), generator=gen).to(dtype)   # exact in any order
-            ours, ref = x.clone(), x.clone()
-            allreduce.ring_all_reduce(ours)
-            dist.all_reduce(ref)
-            out.append(bool(torch.equal(ours, ref)))
+        out = _ring_equals_dist(rank, ((1001, torch.float32), (37, torch.float32),
+                                       (4001, torch.float32), (50, torch.float64),
+                                       (2001, torch.int64)))
         return out, sorted(str(k[1]) for k in allreduce._SCRATCH)
     finally:
         allreduce.KEEP_BYTES = kept                # the pool's ranks serve later tests
@@ -150,26 +159,14 @@ def _pieces_job(rank, world_size):
     from labkit.collectives import allreduce
     posted, real, kept = [], dist.irecv, allreduce.PIECE_BYTES
 
-    def irecv(tensor, src, *args, **kwargs):
+    def irecv(tensor, src, *args, **kwargs):   # dist.all_reduce posts none: the ring's only
         posted.append(tensor.numel() * tensor.element_size())
         return real(tensor, src, *args, **kwargs)
-    out = []
-    allreduce.PIECE_BYTES = 256                    # chunks of 512 B or more arrive in pieces
+    allreduce.PIECE_BYTES, dist.irecv = 256, irecv   # chunks of 512 B or more arrive in pieces
     try:
-        for numel, dtype in SIZES:
-            gen = torch.Generator().manual_seed(rank + numel)
-            x = torch.randint(1, 1000, (numel,), generator=gen).to(dtype)   # exact in any order
-            ours, ref = x.clone(), x.clone()
-            dist.irecv = irecv
-            try:
-                allreduce.ring_all_reduce(ours)
-            finally:
-                dist.irecv = real
-            dist.all_reduce(ref)
-            out.append(bool(torch.equal(ours, ref)))
+        return _ring_equals_dist(rank, SIZES), posted
     finally:
-        allreduce.PIECE_BYTES = kept               # the pool's ranks serve later tests
-    return out, posted
+        allreduce.PIECE_BYTES, dist.irecv = kept, real   # the pool's ranks serve later tests
 
 
 @pytest.mark.timeout(60)
@@ -182,13 +179,12 @@ def test_a_large_chunk_is_received_in_pieces_and_still_sums_exactly(n):
     used: more receives than the ring's 2(N-1) per call, each piece at least PIECE_BYTES and
     under twice it, the all-gather's receives whole chunks."""
     res = lk.run(_pieces_job, n, backend="gloo", timeout=30, echo=False)
-    chunks = {-(-numel // n) * torch.tensor([], dtype=dtype).element_size()
-              for numel, dtype in SIZES}                # each size's largest chunk, in bytes
+    chunks = {c.numel() * c.element_size() for numel, dtype in SIZES
+              for c in torch.empty(numel, dtype=dtype).tensor_split(n)}   # whole chunks, bytes
     for ok, posted in res.values:
         assert ok == [True] * len(SIZES)
         assert len(posted) > len(SIZES) * 2 * (n - 1), posted
-        pieces = [b for b in posted if b not in chunks and b + 4 not in chunks
-                  and b + 8 not in chunks]              # not a whole chunk (or one shorter)
+        pieces = [b for b in posted if b not in chunks]
         assert pieces and all(256 <= b < 512 for b in pieces), posted
 
 
