@@ -79,8 +79,8 @@ def _serve(ctrl: socket.socket, children: set[int], wake_r: int, wake_w: int,
         ready, _, _ = select.select([ctrl, wake_r], [], [], idle_s if preloaded else quiet)
         if not ready and not preloaded:
             # The first idle moment: preload torch._dynamo (labkit.runtime.preload) for every
-            # later rank. Not before "hello": the kernel may still be busy importing. Then the
-            # collector's work once here rather than in every rank (see rank_main).
+            # later rank. Not before "hello": the kernel may still be busy importing. Then one
+            # collection, so that the imports' garbage is not frozen with them (_fork_ranks).
             preload.preload_dynamo()
             gc.collect()
             preloaded = True
