@@ -6,11 +6,14 @@ in four modes, each launcher in the same mode the same way:
 * **cold, trivial** — a fresh Python process that runs one job (one ``all_reduce``) and exits,
   timed whole by this process (from starting it to its exit: interpreter, imports, launcher);
 * **cold, DDP** — the same, the job one ``DistributedDataParallel`` training step (DDP's
-  constructor and the optimizer import ``torch._dynamo``, ~2 s of CPU in a fresh process);
+  constructor and the optimizer import ``torch._dynamo``: ~1 s of CPU after ``import torch``);
 * **first in a kernel** — a process does what a notebook's first cell does (``import labkit``,
   which in a kernel starts lk's launcher; ``import torch``), waits ``--settle`` seconds (a
   learner reading), then times its first job from the call;
-* **repeated** — after that first job, the median of ``--jobs`` more, from the call.
+* **repeated** — after that first job, the median of ``--jobs`` more (20), back to back, each
+  from the call. Twenty, not a handful: jobs right after a pause run slower while the machine
+  wakes up (on the reference VM, three runs of 40 back-to-back lk jobs after the first: median
+  of the first 5 2.2-2.8 ms, of the next 35 1.8-2.2 ms); 20 weigh the steady time, not the ramp.
 
 Launchers: ``lk.run``; ``torch.multiprocessing.spawn`` (cold modes only: it cannot run a
 function defined in a notebook cell); ``torch.multiprocessing.start_processes(...,
@@ -186,7 +189,7 @@ def _once(script: str, launcher: str, mode: str, job: str, n: int, settle: float
     return whole if mode == "cold" else float(out.strip().splitlines()[-1])
 
 
-def measure(world_size: int, repeat: int = 6, settle: float = 5.0, jobs: int = 5,
+def measure(world_size: int, repeat: int = 6, settle: float = 5.0, jobs: int = 20,
             progress=None) -> list[dict]:
     """Every mode's row for ``world_size`` ranks: launcher -> list of seconds."""
     rows = []
@@ -266,7 +269,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[4])
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds between the first cell and the first job (kernel modes)")
-    ap.add_argument("--jobs", type=int, default=5, help="jobs timed in the repeated mode")
+    ap.add_argument("--jobs", type=int, default=20, help="jobs timed in the repeated mode")
     ap.add_argument("--json", help="also write the numbers to this file")
     opts = ap.parse_args(argv)
     show = (lambda line: print(line, file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
