@@ -10,10 +10,12 @@ in four modes, each launcher in the same mode the same way:
 * **first in a kernel** — a process does what a notebook's first cell does (``import labkit``,
   which in a kernel starts lk's launcher; ``import torch``), waits ``--settle`` seconds (a
   learner reading), then times its first job from the call;
-* **repeated** — after that first job, the median of ``--jobs`` more (20), back to back, each
-  from the call. Twenty, not a handful: jobs right after a pause run slower while the machine
-  wakes up (on the reference VM, three runs of 40 back-to-back lk jobs after the first: median
-  of the first 5 2.2-2.8 ms, of the next 35 1.8-2.2 ms); 20 weigh the steady time, not the ramp.
+* **repeated** — after that first job, the median of ``--jobs`` more (5), back to back, each
+  from the call. Jobs right after a pause run slower while the machine wakes up (on the
+  reference VM, three runs of 40 back-to-back lk jobs after the first: median of the first 5
+  2.2-2.8 ms, of the next 35 1.8-2.2 ms), so this mode reads that ramp. Not more by default:
+  with ``--jobs 20`` accelerate's ``notebook_launcher`` hung in one run (no answer in 600 s, the
+  run's limit) and the whole benchmark stopped.
 
 Launchers: ``lk.run``; ``torch.multiprocessing.spawn`` (cold modes only: it cannot run a
 function defined in a notebook cell); ``torch.multiprocessing.start_processes(...,
@@ -175,23 +177,35 @@ def installed(launcher: str) -> bool:
     return module is None or importlib.util.find_spec(module) is not None
 
 
+RUN_LIMIT_S = 180.0   # one run (a process); the slowest, ipyparallel's cold DDP, takes ~20 s
+
+
+class RunFailed(RuntimeError):
+    """One run exited with an error or did not end within :data:`RUN_LIMIT_S`."""
+
+
 def _once(script: str, launcher: str, mode: str, job: str, n: int, settle: float,
           jobs: int) -> float:
     """One run in a fresh process: its whole time (cold) or the time it printed."""
     argv = [sys.executable, script, launcher, mode, job, str(n), str(settle), str(jobs)]
     t0 = time.perf_counter()
-    code, out, err = procs.run("launch benchmark", argv, 600, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "LABKIT_PRESTART": "0"})
+    try:
+        code, out, err = procs.run("launch benchmark", argv, RUN_LIMIT_S,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "LABKIT_PRESTART": "0"})
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"no end within {RUN_LIMIT_S:g} s (stopped)") from None
     whole = time.perf_counter() - t0
     if code != 0:
-        raise RuntimeError(f"{launcher} ({mode}, {job}) failed:\n{err[-2000:]}")
+        last = (err.strip().splitlines() or [f"exit status {code}"])[-1]
+        raise RunFailed(f"exit status {code}: {last[-300:]}")
     return whole if mode == "cold" else float(out.strip().splitlines()[-1])
 
 
-def measure(world_size: int, repeat: int = 6, settle: float = 5.0, jobs: int = 20,
+def measure(world_size: int, repeat: int = 6, settle: float = 5.0, jobs: int = 5,
             progress=None) -> list[dict]:
-    """Every mode's row for ``world_size`` ranks: launcher -> list of seconds."""
+    """Every mode's row for ``world_size`` ranks: launcher -> list of seconds, and the runs
+    that failed (a launcher that hangs or crashes once costs its run, not the table)."""
     rows = []
     with tempfile.TemporaryDirectory() as d:
         script = os.path.join(d, "launch_bench.py")
@@ -200,12 +214,18 @@ def measure(world_size: int, repeat: int = 6, settle: float = 5.0, jobs: int = 2
         for name, (mode, job, launchers) in MODES.items():
             launchers = tuple(lc for lc in launchers if installed(lc))
             times: dict[str, list[float]] = {lc: [] for lc in launchers}
+            failed: dict[str, list[str]] = {}
             for r in range(repeat):
                 for lc in launchers if r % 2 == 0 else launchers[::-1]:
-                    times[lc].append(_once(script, lc, mode, job, world_size, settle, jobs))
+                    try:
+                        times[lc].append(_once(script, lc, mode, job, world_size, settle, jobs))
+                        said = f"{times[lc][-1]:.3f} s"
+                    except RunFailed as exc:
+                        failed.setdefault(lc, []).append(str(exc))
+                        said = f"failed: {exc}"
                     if progress:
-                        progress(f"{world_size} ranks, {name}, {lc}: {times[lc][-1]:.3f} s")
-            rows.append({"ranks": world_size, "mode": name, "times": times})
+                        progress(f"{world_size} ranks, {name}, {lc}: {said}")
+            rows.append({"ranks": world_size, "mode": name, "times": times, "failed": failed})
     return rows
 
 
@@ -224,8 +244,10 @@ def _s(seconds: float) -> str:
 
 
 def _ratio(row: dict) -> str:
-    med = {lc: statistics.median(t) for lc, t in row["times"].items()}
+    med = {lc: statistics.median(t) for lc, t in row["times"].items() if t}
     peers = [v for lc, v in med.items() if lc != "lk.run"]
+    if "lk.run" not in med or not peers:
+        return "-"
     return f"{med['lk.run'] / min(peers):.2f}x"
 
 
@@ -236,14 +258,18 @@ def launch_table(rows: list[dict], repeat: int, settle: float, jobs: int) -> str
             f"{'lk / best':>9}"]
     lines = [f"seconds, median (min-max) of {repeat} runs, launchers' order alternating; cold: "
              f"a fresh process timed whole by its parent; first in a kernel: after the first "
-             f"cell's imports and {settle:g} s; repeated: median of {jobs} more jobs; '-': the "
-             f"launcher cannot run there (mp.spawn cannot run a notebook's function)"]
+             f"cell's imports and {settle:g} s; repeated: median of {jobs} more jobs; '-': no "
+             f"run (mp.spawn cannot run a notebook's function; or every run failed, see below)"]
     lines += [f"{lc}: not installed here, so no column (pip install {lc} to add it)"
               for lc in LAUNCHERS if not installed(lc)]
     lines.append(" ".join(head))
     for r in rows:
         lines.append(" ".join([f"{r['ranks']:>5}", f"{r['mode']:<18}",
                                *(f"{_cell(lc)(r):>25}" for lc in launchers), f"{_ratio(r):>9}"]))
+    for r in rows:
+        for lc, why in r.get("failed", {}).items():
+            lines.append(f"{r['ranks']} ranks, {r['mode']}, {lc}: {len(why)} of {repeat} runs "
+                         f"failed, left out of its cell ({why[0]})")
     return "\n".join(lines)
 
 
@@ -269,7 +295,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[4])
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds between the first cell and the first job (kernel modes)")
-    ap.add_argument("--jobs", type=int, default=20, help="jobs timed in the repeated mode")
+    ap.add_argument("--jobs", type=int, default=5, help="jobs timed in the repeated mode")
     ap.add_argument("--json", help="also write the numbers to this file")
     opts = ap.parse_args(argv)
     show = (lambda line: print(line, file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
