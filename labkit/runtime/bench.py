@@ -11,11 +11,11 @@ in four modes, each launcher in the same mode the same way:
   which in a kernel starts lk's launcher; ``import torch``), waits ``--settle`` seconds (a
   learner reading), then times its first job from the call;
 * **repeated** — after that first job, the median of ``--jobs`` more (5), back to back, each
-  from the call. Jobs right after a pause run slower while the machine wakes up (on the
-  reference VM, three runs of 40 back-to-back lk jobs after the first: median of the first 5
-  2.2-2.8 ms, of the next 35 1.8-2.2 ms), so this mode reads that ramp. Not more by default:
-  with ``--jobs 20`` accelerate's ``notebook_launcher`` hung in one run (no answer in 600 s, the
-  run's limit) and the whole benchmark stopped.
+  from the call. The first jobs after the first run slower than later ones (cause not
+  established; on the reference VM, three runs of 40 back-to-back lk jobs after the first:
+  median of the first 5 2.2-2.8 ms, of the next 35 1.8-2.2 ms), so 5 read higher than the
+  steady time. 5 by default, as in the README's tables (with ``--jobs 20`` accelerate's
+  ``notebook_launcher`` once did not end within a run's limit, then 600 s).
 
 Launchers: ``lk.run``; ``torch.multiprocessing.spawn`` (cold modes only: it cannot run a
 function defined in a notebook cell); ``torch.multiprocessing.start_processes(...,
@@ -177,29 +177,35 @@ def installed(launcher: str) -> bool:
     return module is None or importlib.util.find_spec(module) is not None
 
 
-RUN_LIMIT_S = 180.0   # one run (a process); the slowest, ipyparallel's cold DDP, takes ~20 s
+RUN_LIMIT_S = 180.0   # one run (a process), plus --settle; ipyparallel's take 13-25 s
 
 
 class RunFailed(RuntimeError):
-    """One run exited with an error or did not end within :data:`RUN_LIMIT_S`."""
+    """One run exited with an error, printed no time, or did not end within its limit."""
 
 
 def _once(script: str, launcher: str, mode: str, job: str, n: int, settle: float,
           jobs: int) -> float:
     """One run in a fresh process: its whole time (cold) or the time it printed."""
     argv = [sys.executable, script, launcher, mode, job, str(n), str(settle), str(jobs)]
+    limit = RUN_LIMIT_S + (settle if mode != "cold" else 0.0)
     t0 = time.perf_counter()
     try:
-        code, out, err = procs.run("launch benchmark", argv, RUN_LIMIT_S,
+        code, out, err = procs.run("launch benchmark", argv, limit,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    env={**os.environ, "LABKIT_PRESTART": "0"})
     except subprocess.TimeoutExpired:
-        raise RunFailed(f"no end within {RUN_LIMIT_S:g} s (stopped)") from None
+        raise RunFailed(f"no end within {limit:g} s (stopped)") from None
     whole = time.perf_counter() - t0
     if code != 0:
         last = (err.strip().splitlines() or [f"exit status {code}"])[-1]
         raise RunFailed(f"exit status {code}: {last[-300:]}")
-    return whole if mode == "cold" else float(out.strip().splitlines()[-1])
+    if mode == "cold":
+        return whole
+    try:
+        return float(out.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise RunFailed(f"printed no time: {out.strip()[-300:]!r}") from None
 
 
 def measure(world_size: int, repeat: int = 6, settle: float = 5.0, jobs: int = 5,
