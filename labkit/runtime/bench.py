@@ -198,8 +198,8 @@ def _once(script: str, launcher: str, mode: str, job: str, n: int, settle: float
         raise RunFailed(f"no end within {limit:g} s (stopped)") from None
     whole = time.perf_counter() - t0
     if code != 0:
-        last = (err.strip().splitlines() or [f"exit status {code}"])[-1]
-        raise RunFailed(f"exit status {code}: {last[-300:]}")
+        last = (err.strip().splitlines() or [""])[-1][-300:]
+        raise RunFailed(f"exit status {code}" + (f": {last}" if last else ""))
     if mode == "cold":
         return whole
     try:
